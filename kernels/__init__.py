@@ -1,0 +1,1 @@
+"""Compute kernels of louver-sgl (import name ``louver_kernels``; the folder is ``kernels/``)."""

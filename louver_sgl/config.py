@@ -1,0 +1,138 @@
+"""The one frozen configuration object of louver-sgl.
+
+Everything that changes what the index stores, how thresholds are chosen, or which path a decode
+step takes lives here. Kernel launch parameters (chunk sizes, thread counts, Triton tiles) live in
+hardware profiles, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+BOUND_FAMILIES = ("grid", "clustered")
+CLUSTERINGS = ("kd",)
+POLICIES = ("certified", "budget", "fixed", "dense")
+GRID_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class LouverConfig:
+    """Index layout, threshold policy and dispatch knobs.
+
+    Index (both bound-family corners share page_size; see docs/design-notes.md):
+      page_size: tokens per KV page; an index is built per full page and KV head.
+      family: "grid" (one channel per subspace, per-page lo/scale, ``grid_bits``-bit codes) or
+        "clustered" (the paper's index: ``n_subspaces`` contiguous subspaces, balanced clusters of
+        ``cluster_size`` tokens per page, centers and radii rounded up).
+      grid_bits: code width of the grid family (2, 4 or 8).
+      n_subspaces, cluster_size, clustering, residual_norms: knobs of the clustered family;
+        ``residual_norms`` stores a per-token ‖k_s − c‖ (rounded up) instead of using the radius.
+
+    Threshold policy (per query head and decode step; T is on the raw dot product q·k):
+      policy: "certified" (dropped softmax mass provably < eps), "budget" (sample quantile aiming
+        at a fraction ``budget`` of keys), "fixed" (T = ``fixed_threshold``), "dense" (T = −inf).
+      eps, budget, fixed_threshold: parameters of those policies.
+      sample_size: exact-scored key sample per request (budget quantile, certified lower bound
+        on the softmax denominator).
+
+    Dispatch:
+      sink_pages: leading full pages of every request that are always attended densely.
+      recent_pages: trailing full pages (before the tail) that are always attended densely.
+      dense_fallback_fraction: a request whose candidate fraction exceeds this runs dense.
+      value_gate: skip V reads for candidates whose exact score is below T (their exact mass is
+        added to the reported dropped-mass bound; certified steps only gate within their budget).
+    """
+
+    page_size: int = 64
+    family: str = "grid"
+    grid_bits: int = 4
+    n_subspaces: int = 16
+    cluster_size: int = 4
+    clustering: str = "kd"
+    residual_norms: bool = False
+    policy: str = "certified"
+    eps: float = 1e-3
+    budget: float = 0.1
+    fixed_threshold: float = 0.0
+    sample_size: int = 256
+    sink_pages: int = 1
+    recent_pages: int = 1
+    dense_fallback_fraction: float = 0.6
+    value_gate: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("page_size", self.page_size, 2, 256)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        _check_choice("family", self.family, BOUND_FAMILIES)
+        _check_choice("grid_bits", self.grid_bits, GRID_BITS)
+        _check_int("n_subspaces", self.n_subspaces, 1, 1024)
+        _check_int("cluster_size", self.cluster_size, 1, self.page_size)
+        if self.page_size % self.cluster_size:
+            raise ValueError(
+                f"page_size ({self.page_size}) must be divisible by cluster_size ({self.cluster_size})"
+            )
+        clusters = self.page_size // self.cluster_size
+        if clusters & (clusters - 1):
+            raise ValueError(
+                f"page_size / cluster_size must be a power of two (balanced KD split), got {clusters}"
+            )
+        _check_choice("clustering", self.clustering, CLUSTERINGS)
+        _check_choice("policy", self.policy, POLICIES)
+        _check_finite("eps", self.eps)
+        if not 0.0 < self.eps < 1.0:
+            raise ValueError(f"eps must lie in (0, 1), got {self.eps}")
+        _check_finite("budget", self.budget)
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget must lie in (0, 1], got {self.budget}")
+        _check_finite("fixed_threshold", self.fixed_threshold)
+        _check_int("sample_size", self.sample_size, 1, 1 << 20)
+        _check_int("sink_pages", self.sink_pages, 0, 1 << 20)
+        _check_int("recent_pages", self.recent_pages, 0, 1 << 20)
+        _check_finite("dense_fallback_fraction", self.dense_fallback_fraction)
+        if not 0.0 < self.dense_fallback_fraction <= 1.0:
+            raise ValueError(
+                f"dense_fallback_fraction must lie in (0, 1], got {self.dense_fallback_fraction}"
+            )
+
+    def subspace_width(self, head_dim: int) -> int:
+        """Channels per subspace for ``head_dim``; raises if the split is not even."""
+        if self.family == "grid":
+            return 1
+        if head_dim % self.n_subspaces:
+            raise ValueError(
+                f"head_dim {head_dim} is not divisible by n_subspaces {self.n_subspaces}"
+            )
+        return head_dim // self.n_subspaces
+
+    def with_(self, **changes: Any) -> "LouverConfig":
+        """A validated copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "LouverConfig":
+        """Build from a plain dict, rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown louver config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value}")
+
+
+def _check_finite(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
