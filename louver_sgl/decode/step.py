@@ -1,0 +1,255 @@
+"""The batched Louver decode step on paged KV tensors (fast CPU path, vectorised torch).
+
+Order of work (design §6): exact scores of the dense part (sink pages, recent pages, tail) and of
+the sample; page bounds; thresholds; token bounds of surviving pages; union of each GQA group's
+candidates; exact scores of the candidates (keys first); values only for candidates that stay
+attended; one numerically stable softmax over dense part + candidates per (request, head).
+Requests whose candidate fraction exceeds ``dense_fallback_fraction`` run dense attention.
+``reference.py`` is the specification this must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import LouverConfig
+from ..index.store import PageIndexStore
+from . import threshold as th
+from .filter import FilterResult, run_filter
+from .plan import DecodePlan, plan_decode
+from .segments import exact_scores, seg_amax, seg_sum
+
+
+@dataclass
+class StepStats:
+    """Per-step telemetry. Shapes: ``[B, H_q]`` unless noted.
+
+    threshold (fp32), candidates (indexed keys attended per head), pages_skipped, mass_bound
+    (fp64 certified upper bound on the dropped softmax mass), num_indexed ``[B]``, num_pages ``[B]``,
+    dense_fallback ``[B]`` bool, values_read ``[B]`` (V rows read for indexed keys, all KV heads).
+    """
+
+    threshold: torch.Tensor
+    candidates: torch.Tensor
+    pages_skipped: torch.Tensor
+    mass_bound: torch.Tensor
+    num_indexed: torch.Tensor
+    num_pages: torch.Tensor
+    dense_fallback: torch.Tensor
+    values_read: torch.Tensor
+
+
+def louver_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    store: PageIndexStore,
+    sigma: float,
+    config: LouverConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, StepStats]:
+    """One decode step for a batch of requests.
+
+    Args:
+        q: ``[B, H_q, D]`` queries (any float dtype).
+        k_cache, v_cache: ``[num_slots, H_kv, D]`` / ``[num_slots, H_kv, D_v]`` paged KV buffers.
+        page_table: ``[B, max_pages]`` int page ids; seq_lens: ``[B]`` tokens per request.
+        store: the page index (every full indexed page must be built).
+        sigma: softmax scale. config: defaults to ``store.config`` (same index layout required).
+        out: optional caller-owned ``[B, H_q, D_v]`` output buffer.
+
+    Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
+    """
+    config = config or store.config
+    _check_inputs(q, k_cache, v_cache, store, config)
+    plan = plan_decode(page_table, seq_lens, config)
+    return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
+
+
+def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None):
+    """Device-side part of ``louver_decode`` for a prepared ``plan`` (same arguments)."""
+    batch, heads, _ = q.shape
+    q32 = q.to(torch.float32)
+    s_dense = exact_scores(q32, k_cache, plan.dense_slots, plan.dense_req)
+    s_sample = exact_scores(q32, k_cache, plan.sample_slots, plan.sample_req)
+    ref = seg_amax(torch.cat([s_dense, s_sample]), torch.cat([plan.dense_req, plan.sample_req]), batch)
+    z_dense = seg_sum(torch.exp(th.log_mass(s_dense, ref[plan.dense_req], sigma)), plan.dense_req, batch)
+    z_lb = z_dense + seg_sum(torch.exp(th.log_mass(s_sample, ref[plan.sample_req], sigma)), plan.sample_req, batch)
+    rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
+    bounds = store.page_bounds(rows, plan.page_ids)
+    sample = _pad_sample(s_sample, plan, batch)
+    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ref, z_lb, sample, sigma, config)
+    fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
+    cand = _candidates(q32, k_cache, filt, plan, fallback)
+    gate = _value_gate(cand, filt, ref, z_dense, z_lb, sigma, config, batch)
+    result = _attend(q32, s_dense, cand, gate, v_cache, plan, sigma, batch)
+    result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
+    if out is None:
+        out = torch.empty((batch, heads, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    out.copy_(result)
+    stats = _stats(filt, cand, gate, plan, fallback, batch)
+    return out, stats
+
+
+@dataclass
+class _Candidates:
+    """Union candidates: one row per (indexed token, KV head) kept for any head of the group."""
+
+    slots: torch.Tensor  # [Nc] int64
+    kv_head: torch.Tensor  # [Nc] int64
+    req: torch.Tensor  # [Nc] int64
+    scores: torch.Tensor  # [Nc, G] fp32 exact scores of the group's query heads
+    own: torch.Tensor  # [Nc, G] bool: kept by this head's own bound
+
+
+def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) -> _Candidates:
+    batch, heads, dim = q32.shape
+    h_kv = k_cache.shape[1]
+    groups = heads // h_kv
+    keep = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, groups)
+    req_s = plan.page_req[filt.surviving]
+    union = keep.any(-1) & ~fallback[req_s][:, None, None]
+    page_row, offset, kv_head = union.nonzero(as_tuple=True)
+    slots = plan.page_ids[filt.surviving][page_row] * plan.page_size + offset
+    req = req_s[page_row]
+    keys = k_cache[slots, kv_head].to(torch.float32)  # [Nc, D]  keys of candidates only
+    q_rows = q32.view(batch, h_kv, groups, dim)[req, kv_head]  # [Nc, G, D]
+    scores = torch.einsum("nd,ngd->ng", keys, q_rows)
+    return _Candidates(slots, kv_head, req, scores, keep[page_row, offset, kv_head])
+
+
+@dataclass
+class _Gate:
+    """Which candidate entries are attended, and the final dropped-mass bound."""
+
+    attend: torch.Tensor  # [Nc, G] bool
+    mass_bound: torch.Tensor  # [B, H_q] fp64
+
+
+def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batch) -> _Gate:
+    """Skip V for candidates whose exact score is below T, counting their exact mass as dropped.
+
+    Certified steps gate a head only if its bound stays within eps; other policies always gate.
+    """
+    heads = ref.shape[1]
+    groups = cand.scores.shape[1]
+    head = cand.kv_head[:, None] * groups + torch.arange(groups)
+    flat = cand.req[:, None] * heads + head  # [Nc, G] segment of (request, head)
+    x = th.log_mass(cand.scores, ref.view(-1)[flat], sigma)
+    mass = torch.exp(x.clamp(max=700.0))
+    z_cand = torch.zeros(batch * heads, dtype=torch.float64).index_add_(0, flat.reshape(-1), mass.reshape(-1))
+    z_final = torch.maximum(z_lb, z_dense + z_cand.view(batch, heads))
+    below = cand.scores < filt.threshold.view(-1)[flat]
+    gated = torch.zeros(batch * heads, dtype=torch.float64).index_add_(
+        0, flat.reshape(-1), (mass * below).reshape(-1)
+    ).view(batch, heads)
+    allowed = torch.full_like(z_final, config.value_gate, dtype=torch.bool)
+    if config.policy == "certified":
+        allowed &= filt.dropped + gated <= config.eps * z_final * th.BUDGET_SAFETY
+    attend = ~(below & allowed.view(-1)[flat])
+    dropped = filt.dropped + gated * allowed
+    return _Gate(attend, dropped / z_final)
+
+
+def _attend(q32, s_dense, cand: _Candidates, gate: _Gate, v_cache, plan, sigma, batch) -> torch.Tensor:
+    """Softmax over dense part + attended candidates, V read only for attended rows."""
+    heads = q32.shape[1]
+    h_kv, d_v = v_cache.shape[1], v_cache.shape[2]
+    groups = heads // h_kv
+    seg_d = plan.dense_req[:, None] * heads + torch.arange(heads)  # [ND, H_q]
+    head_c = cand.kv_head[:, None] * groups + torch.arange(groups)
+    seg_c = cand.req[:, None] * heads + head_c  # [Nc, G]
+    s_cand = torch.where(gate.attend, cand.scores, float("-inf"))
+    m = torch.full((batch * heads,), float("-inf"))
+    m.scatter_reduce_(0, seg_d.reshape(-1), s_dense.reshape(-1), reduce="amax")
+    m.scatter_reduce_(0, seg_c.reshape(-1), s_cand.reshape(-1), reduce="amax")
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_d = torch.exp(sigma * (s_dense - m[seg_d]))
+    need = gate.attend.any(dim=1)  # V rows needed by at least one head of the group
+    w_c = torch.exp(sigma * (s_cand[need] - m[seg_c[need]]))
+    den = torch.zeros(batch * heads).index_add_(0, seg_d.reshape(-1), w_d.reshape(-1))
+    den.index_add_(0, seg_c[need].reshape(-1), w_c.reshape(-1))
+    v_d = v_cache[plan.dense_slots].to(torch.float32).repeat_interleave(groups, dim=1)
+    num = torch.zeros(batch * heads, d_v).index_add_(0, seg_d.reshape(-1), (w_d[..., None] * v_d).reshape(-1, d_v))
+    v_c = v_cache[cand.slots[need], cand.kv_head[need]].to(torch.float32)  # [Nv, D_v]
+    num.index_add_(0, seg_c[need].reshape(-1), (w_c[..., None] * v_c[:, None, :]).reshape(-1, d_v))
+    return (num / den[:, None]).view(batch, heads, d_v)
+
+
+def _fallback_mask(filt: FilterResult, plan: DecodePlan, h_kv: int, config: LouverConfig) -> torch.Tensor:
+    """Requests whose union candidate fraction exceeds ``dense_fallback_fraction``."""
+    size = plan.page_size
+    groups = filt.keep.shape[2] // h_kv
+    union = filt.keep.view(len(filt.surviving), size, h_kv, groups).any(-1).sum((1, 2))
+    count = seg_sum(union, plan.page_req[filt.surviving], plan.batch_size)
+    total = (plan.num_indexed * h_kv).clamp(min=1)
+    return count > config.dense_fallback_fraction * total
+
+
+def _dense_for(fallback, result, q32, k_cache, v_cache, plan: DecodePlan, sigma) -> torch.Tensor:
+    """Overwrite the rows of fallback requests with dense attention over all their tokens."""
+    for b in fallback.nonzero()[:, 0].tolist():
+        slots = torch.cat([
+            plan.dense_slots[plan.dense_req == b],
+            _page_slots(plan.page_ids[plan.page_req == b], plan.page_size),
+        ])
+        result[b] = dense_attention(q32[b], k_cache[slots], v_cache[slots], sigma)
+    return result
+
+
+def _page_slots(page_ids: torch.Tensor, size: int) -> torch.Tensor:
+    return (page_ids[:, None] * size + torch.arange(size)).reshape(-1)
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Dense decode attention of one request: q ``[H_q, D]``, keys/values ``[L, H_kv, D]`` -> ``[H_q, D_v]`` fp32."""
+    h_q, h_kv = q.shape[0], keys.shape[1]
+    k = keys.to(torch.float32).repeat_interleave(h_q // h_kv, dim=1)
+    v = values.to(torch.float32).repeat_interleave(h_q // h_kv, dim=1)
+    p = torch.softmax(sigma * torch.einsum("hd,lhd->hl", q.to(torch.float32), k), dim=-1)
+    return torch.einsum("hl,lhd->hd", p, v)
+
+
+def _pad_sample(s_sample: torch.Tensor, plan: DecodePlan, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample scores as ``[B, M, H_q]`` padded with −inf, and counts ``[B]``."""
+    counts = torch.bincount(plan.sample_req, minlength=batch)
+    width = int(counts.max()) if len(counts) else 0
+    padded = torch.full((batch, width, s_sample.shape[1]), float("-inf"))
+    start = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(len(plan.sample_req)) - start[plan.sample_req]
+    padded[plan.sample_req, pos] = s_sample
+    return padded, counts
+
+
+def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, batch) -> StepStats:
+    heads = filt.threshold.shape[1]
+    groups = cand.scores.shape[1] if cand.scores.dim() == 2 else 1
+    head = cand.kv_head[:, None] * groups + torch.arange(groups)
+    flat = (cand.req[:, None] * heads + head).reshape(-1)
+    own = torch.zeros(batch * heads, dtype=torch.long).index_add_(0, flat, gate.attend.long().reshape(-1))
+    values = torch.bincount(cand.req[gate.attend.any(1)], minlength=batch)
+    return StepStats(
+        threshold=filt.threshold, candidates=own.view(batch, heads), pages_skipped=filt.pages_skipped,
+        mass_bound=torch.where(fallback[:, None], torch.zeros_like(gate.mass_bound), gate.mass_bound),
+        num_indexed=plan.num_indexed, num_pages=torch.bincount(plan.page_req, minlength=batch),
+        dense_fallback=fallback, values_read=values,
+    )
+
+
+def _check_inputs(q, k_cache, v_cache, store: PageIndexStore, config: LouverConfig) -> None:
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(
+            f"q must be [B, H_q, D] and k/v caches [slots, H_kv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[:2] != v_cache.shape[:2] or k_cache.shape[1:] != (store.num_kv_heads, store.head_dim):
+        raise ValueError("k/v caches do not match each other or the index (H_kv, D)")
+    if q.shape[2] != store.head_dim or q.shape[1] % store.num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match H_kv={store.num_kv_heads}, D={store.head_dim}")
+    layout = ("page_size", "family", "grid_bits", "n_subspaces", "cluster_size", "residual_norms")
+    if any(getattr(config, f) != getattr(store.config, f) for f in layout):
+        raise ValueError("config index layout differs from the store's; rebuild the index")

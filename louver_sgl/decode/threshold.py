@@ -1,0 +1,100 @@
+"""Threshold policies and the certified dropped-mass accounting.
+
+All mass arithmetic is in fp64 relative to a reference score ``m`` (the largest exact score known
+this step), i.e. a unit with upper bound u and weight w has mass w·exp(σ·(u − m)).
+
+Certified rule (design §4): with Z_lb = Σ exp(σ·(s − m)) over scores computed exactly this step,
+choose T so that Σ over every dropped unit of w·exp(σ·(u − m)) ≤ ε·Z_lb. Since every dropped key has
+exact score ≤ u and Z_lb ≤ the true softmax denominator, the dropped softmax mass is < ε. The
+candidate levels are the fixed edges ``EDGES`` (in units of σ·(T − m)), so the choice is one
+histogram pass plus a cumulative sum, identical in the reference and the fast path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import LouverConfig
+
+EDGE_LOW, EDGE_STEP, EDGE_COUNT = -48.0, 0.25, 257
+EDGES = EDGE_LOW + EDGE_STEP * torch.arange(EDGE_COUNT, dtype=torch.float64)
+# A unit strictly below an edge in fp64 log-mass space stays below the fp32 threshold built from that
+# edge because the threshold is placed this far (in σ·score units) under the edge and rounded down.
+EDGE_MARGIN = 1e-6
+# Relative safety on budgets for the fp64 accumulation of up to ~1e8 positive terms.
+BUDGET_SAFETY = 1.0 - 1e-7
+
+
+def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
+    """σ·(values − ref) in fp64; NaN where either is NaN. Shapes broadcast."""
+    return sigma * (values.to(torch.float64) - ref.to(torch.float64))
+
+
+def mass_below_edges(
+    x: torch.Tensor, weight: torch.Tensor, seg: torch.Tensor, num_segs: int
+) -> torch.Tensor:
+    """Cumulative mass of units strictly below each edge.
+
+    Args:
+        x: ``[n, H]`` fp64 log-masses (NaN = bound unknown, never counted as below).
+        weight: ``[n, H]`` fp64 unit weights (0 excludes a unit).
+        seg: ``[n]`` int64 segment (request) of each unit.
+
+    Returns ``[num_segs, H, EDGE_COUNT]`` fp64: entry j = Σ over units with x < EDGES[j] of w·e^x.
+    """
+    n, heads = x.shape
+    bins = torch.bucketize(x.nan_to_num(nan=math.inf), EDGES, right=True)  # edges <= x
+    mass = weight * torch.exp(x.clamp(max=700.0)).nan_to_num(nan=0.0)
+    hist = torch.zeros((num_segs, heads, EDGE_COUNT + 1), dtype=torch.float64)
+    flat = (seg[:, None] * heads + torch.arange(heads)) * (EDGE_COUNT + 1) + bins
+    hist.view(-1).index_add_(0, flat.reshape(-1), mass.reshape(-1))
+    return hist.cumsum(-1)[..., :EDGE_COUNT]
+
+
+def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest edge index j (>= floor) with mass_below[..., j] <= budget; −1 if none.
+
+    mass_below ``[S, H, E]``, budget ``[S, H]``, floor ``[S, H]`` int64 -> ``[S, H]`` int64.
+    """
+    ok = mass_below <= budget.unsqueeze(-1)
+    if floor is not None:
+        ok &= torch.arange(EDGE_COUNT) >= floor.unsqueeze(-1)
+    idx = torch.where(ok, torch.arange(EDGE_COUNT), torch.full_like(ok, -1, dtype=torch.long))
+    return idx.amax(dim=-1)
+
+
+def edge_threshold(edge_idx: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
+    """fp32 threshold ``[S, H]`` for edge indices (−1 -> −inf), placed just under the edge."""
+    edge = EDGES[edge_idx.clamp(min=0)]
+    t = ref.to(torch.float64) + (edge - EDGE_MARGIN) / sigma
+    t32 = t.to(torch.float32)
+    t32 = torch.where(t32.to(torch.float64) > t, torch.nextafter(t32, torch.tensor(-math.inf)), t32)
+    t32 = torch.where(edge_idx < 0, torch.tensor(-math.inf), t32)
+    return torch.where(torch.isfinite(ref), t32, torch.tensor(-math.inf))
+
+
+def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The paper's budget rule: T = the ⌊f·M⌋-th largest sample score (at least the largest).
+
+    sample_scores ``[B, M, H]`` fp32 padded with −inf; sample_count ``[B]`` -> ``[B, H]`` fp32
+    (−inf for requests without samples).
+    """
+    b, m, h = sample_scores.shape
+    if m == 0:
+        return torch.full((b, h), -math.inf)
+    k = (sample_count.to(torch.float64) * fraction).floor().clamp(min=1).long()
+    ranked = sample_scores.sort(dim=1, descending=True).values
+    pick = (k - 1).clamp(max=m - 1)[:, None, None].expand(b, 1, h)
+    t = torch.gather(ranked, 1, pick)[:, 0]
+    return torch.where(sample_count[:, None] > 0, t, torch.tensor(-math.inf))
+
+
+def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:
+    """T for the policies that need no data (fixed, dense); None otherwise."""
+    if config.policy == "dense":
+        return torch.full((batch, heads), -math.inf)
+    if config.policy == "fixed":
+        return torch.full((batch, heads), float(config.fixed_threshold))
+    return None

@@ -1,0 +1,87 @@
+"""Checks that attention traces captured from SmolLM2 hold what the model's attention really used.
+
+Needs the converted checkpoint in models/smollm2-135m (``python -m louver_sgl.data.fetch_model``)
+and data/texts (``python -m louver_sgl.data.texts``); skipped otherwise. Runs a 256-token capture
+in small chunks so the cached (chunked) attention path is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "smollm2-135m"
+TEXT_DIR = ROOT / "data" / "texts"
+LENGTH, NUM_QUERIES, CHUNK, LAYERS = 256, 16, 64, [0, 3, 27]
+
+if not (MODEL_DIR / "model.safetensors").is_file() or not (TEXT_DIR / "bible.txt").is_file():
+    pytest.skip("models/smollm2-135m or data/texts/bible.txt absent (run louver_sgl.data.fetch_model "
+                "and louver_sgl.data.texts)", allow_module_level=True)
+
+from louver_sgl.data.capture import capture_trace, first_tokens, load_trace  # noqa: E402
+from louver_sgl.data.texts import load_text  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])
+def trace(request, tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("traces") / f"bible_{LENGTH}_{request.param}.pt"
+    capture_trace(MODEL_DIR, "bible", LENGTH, LAYERS, NUM_QUERIES, path, TEXT_DIR,
+                  chunk_size=CHUNK, kv_dtype=request.param)
+    return load_trace(path)
+
+
+def dense_decode(trace: dict, layer: int) -> torch.Tensor:
+    """softmax(q K^T * scale) V for every saved query over its visible keys[:pos + 1]."""
+    meta = trace["meta"]
+    group = meta["num_heads"] // meta["num_kv_heads"]
+    keys = trace["keys"][layer].float().repeat_interleave(group, dim=1)  # [L, H_q, D]
+    values = trace["values"][layer].float().repeat_interleave(group, dim=1)
+    outs = []
+    for q, pos in zip(trace["queries"][layer], trace["query_positions"].tolist()):
+        scores = torch.einsum("hd,nhd->hn", q, keys[:pos + 1]) * meta["softmax_scale"]
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values[:pos + 1]))
+    return torch.stack(outs)
+
+
+def test_layout(trace):
+    meta = trace["meta"]
+    h_q, h_kv, d = meta["num_heads"], meta["num_kv_heads"], meta["head_dim"]
+    assert trace["query_positions"].tolist() == list(range(LENGTH - NUM_QUERIES, LENGTH))
+    assert meta["rope_scaling"] is None and meta["softmax_scale"] == pytest.approx(d ** -0.5)
+    for layer in LAYERS:
+        assert trace["keys"][layer].shape == trace["values"][layer].shape == (LENGTH, h_kv, d)
+        assert trace["queries"][layer].shape == (NUM_QUERIES, h_q, d)
+        assert trace["queries"][layer].dtype == torch.float32
+
+
+def test_dense_attention_matches_model(trace):
+    # fp32 storage must reproduce sdpa to 1e-3; fp16 keys/values add their rounding error.
+    tol = 1e-3 if trace["keys"][LAYERS[0]].dtype == torch.float32 else 3e-2
+    for layer in LAYERS:
+        err = (dense_decode(trace, layer) - trace["outputs"][layer]).abs().max().item()
+        assert err < tol, f"layer {layer}: max abs error {err:.2e}"
+
+
+def test_keys_equal_plain_kv_cache(trace):
+    """Keys/values equal the KV cache of an ordinary one-shot forward (no hook, no chunking)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    ids = first_tokens(AutoTokenizer.from_pretrained(MODEL_DIR), load_text("bible", TEXT_DIR), LENGTH)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[None], past_key_values=cache, use_cache=True)
+    fp16 = trace["keys"][LAYERS[0]].dtype == torch.float16
+    for layer in LAYERS:
+        for name, ref in (("keys", cache.layers[layer].keys), ("values", cache.layers[layer].values)):
+            ref = ref[0].transpose(0, 1)
+            # Chunked vs one-shot fp32 differ by ~1e-5; fp16 storage adds up to half an ulp.
+            tol = 1e-4 + (2.0 ** -11 * ref.abs().max().item() if fp16 else 0.0)
+            err = (trace[name][layer].float() - ref).abs().max().item()
+            assert err < tol, f"{name} layer {layer}: max abs error {err:.2e} > {tol:.2e}"
