@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import dot_slack, round_up
+from .numerics import dot_slack, norm_up, round_up
 
 
 def _balanced_kd_order(points: torch.Tensor, num_clusters: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ def clustered_cluster_scores(
     qs = q.reshape(n, heads, groups, n_sub, width)
     c32 = centers.to(torch.float32)
     center_dot = torch.einsum("nkgsw,nkscw->nkgsc", qs, c32)
-    q_norm = qs.norm(dim=-1)
+    q_norm = norm_up(qs)
     ball = q_norm.unsqueeze(-1) * radius.unsqueeze(2)
     magnitude = torch.einsum("nkgsw,nkscw->nkgsc", qs.abs(), c32.abs()) + ball
     slack = dot_slack(magnitude.amax(dim=-1).sum(-1), dim + 2 * n_sub)

@@ -40,9 +40,16 @@ def dot_slack(magnitude: torch.Tensor, num_terms: int) -> torch.Tensor:
 
     ``magnitude`` is Σ|term| (fp32, any shape). The factor 2·(n + 8)·u exceeds γ_n = n·u/(1 − n·u)
     for every n used here, and also covers the fp32 rounding of centers and norms computed on the
-    fly (a few ulps each).
+    fly (a few ulps each). The absolute term covers products that fall into fp32's subnormal range
+    (each such rounding errs by at most 2**-150, times a code of at most 255).
     """
-    return magnitude * (2.0 * (num_terms + 8) * FP32_UNIT_ROUNDOFF)
+    return magnitude * (2.0 * (num_terms + 8) * FP32_UNIT_ROUNDOFF) + (num_terms + 8) * 2.0**-130
+
+
+def norm_up(x: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm over the last dim, computed in fp64 (no fp32 underflow of tiny queries)
+    and rounded up to fp32."""
+    return round_up(x.to(torch.float64).norm(dim=-1), torch.float32)
 
 
 def keep_at_least(bound: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

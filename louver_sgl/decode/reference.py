@@ -1,0 +1,155 @@
+"""Plain-torch reference of the Louver decode step: the specification the fast path must match.
+
+One request and one query head at a time, with every rule written out directly:
+  1. Dense part D = sink pages ∪ recent pages ∪ tail; indexed part = the other full pages.
+  2. Exact scores s_i = q·k_i; ref m = max over D ∪ sample; Z_lb = Σ_{D ∪ sample} e^{σ(s − m)}.
+  3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first).
+  4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
+     set of every head of a GQA group is the union of the group's candidates, minus (value gate)
+     candidates whose exact score is below the head's T when the gate is allowed.
+  5. Softmax over D ∪ attended candidates in fp64; dense fallback above the candidate fraction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import LouverConfig
+from ..index.store import PageIndexStore
+from . import threshold as th
+from .plan import _sample_positions, split_pages
+
+
+def reference_decode(q, k_cache, v_cache, page_table, seq_lens, store: PageIndexStore, sigma, config=None):
+    """Same contract as ``louver_decode``; returns ``(out [B, H_q, D_v] fp32, info)`` where info
+    is a list (per request) of dicts with ``threshold``, ``attended`` (bool ``[H_q, L]``),
+    ``mass_bound`` ``[H_q]`` and ``dense_fallback``."""
+    config = config or store.config
+    outs, infos = [], []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        slots = page_table[b].long()[pos // config.page_size] * config.page_size + pos % config.page_size
+        o, info = _one_request(q[b].float(), k_cache[slots], v_cache[slots], page_table[b], n, store, sigma, config)
+        outs.append(o)
+        infos.append(info)
+    return torch.stack(outs), infos
+
+
+def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig):
+    size, h_q, h_kv = cfg.page_size, q.shape[0], keys.shape[1]
+    groups = h_q // h_kv
+    sink, indexed, recent = split_pages(n, cfg)
+    dense = torch.zeros(n, dtype=torch.bool)
+    for r in (sink, recent):
+        dense[r.start * size: r.stop * size] = True
+    dense[n - n % size:] = True
+    idx_pos = torch.arange(indexed.start * size, indexed.stop * size)
+    sample = idx_pos[_sample_positions(len(idx_pos), cfg.sample_size)]
+    k_rep = keys.float().repeat_interleave(groups, dim=1)  # [L, H_q, D]
+    scores = torch.einsum("hd,lhd->hl", q, k_rep)  # exact fp32 scores [H_q, L]
+    known = dense.clone()
+    known[sample] = True
+    ref = torch.where(known, scores, float("-inf")).amax(dim=1)
+    x_all = th.log_mass(scores, ref[:, None], sigma)
+    z_lb = torch.where(known, torch.exp(x_all), 0.0).sum(1)
+    pb, tb = _request_bounds(q, pages_row[indexed.start:indexed.stop].long(), store, h_q)
+    t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
+    union = keep.view(h_kv, groups, -1).any(1).repeat_interleave(groups, dim=0)  # [H_q, n_idx]
+    frac = union[::groups].float().mean() if union.numel() else torch.tensor(0.0)
+    if union.numel() and frac > cfg.dense_fallback_fraction:
+        att = torch.ones((h_q, n), dtype=torch.bool)
+        info = {"threshold": t, "attended": att, "mass_bound": torch.zeros(h_q, dtype=torch.float64), "dense_fallback": True}
+        return _softmax_out(scores, values, att, sigma, groups), info
+    s_idx = scores[:, idx_pos]
+    z_final = torch.maximum(z_lb, torch.where(dense, torch.exp(x_all), 0.0).sum(1)
+                            + torch.where(union, torch.exp(x_all[:, idx_pos]), 0.0).sum(1))
+    below = union & (s_idx < t[:, None])
+    gated = torch.where(below, torch.exp(x_all[:, idx_pos]), 0.0).sum(1)
+    allowed = torch.full((h_q,), cfg.value_gate)
+    if cfg.policy == "certified":
+        allowed &= dropped + gated <= cfg.eps * z_final * th.BUDGET_SAFETY
+    att = dense.expand(h_q, n).clone()
+    att[:, idx_pos] = union & ~(below & allowed[:, None])
+    bound = (dropped + gated * allowed) / z_final
+    info = {"threshold": t, "attended": att, "mass_bound": bound, "dense_fallback": False}
+    return _softmax_out(scores, values, att, sigma, groups), info
+
+
+def _request_bounds(q, page_ids, store, h_q):
+    """Page bounds ``[H_q, n_pages]`` and token bounds ``[H_q, n_pages * P]`` of one request."""
+    if len(page_ids) == 0:
+        return torch.zeros(h_q, 0), torch.zeros(h_q, 0)
+    rows = q.view(1, store.num_kv_heads, -1, q.shape[-1]).expand(len(page_ids), -1, -1, -1).contiguous()
+    bounds = store.page_bounds(rows, page_ids)
+    tok = store.token_bounds(bounds, page_ids)
+    return bounds.page_bound.reshape(len(page_ids), h_q).t(), tok.reshape(-1, h_q).t()
+
+
+def _threshold_and_keep(pb, tb, s_idx, ref, z_lb, sigma, cfg: LouverConfig):
+    """Per-head T, candidate mask ``[H_q, n_idx]`` and dropped index mass ``[H_q]`` (fp64)."""
+    h_q, size = pb.shape[0], cfg.page_size
+    pb_tok = pb.repeat_interleave(size, dim=1)
+    u = torch.minimum(tb, pb_tok)
+    x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
+    if cfg.policy == "dense":
+        t = torch.full((h_q,), -math.inf)
+    elif cfg.policy == "fixed":
+        t = torch.full((h_q,), float(cfg.fixed_threshold))
+    elif cfg.policy == "budget":
+        t = _budget(s_idx, cfg)
+    else:
+        return _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
+    keep_page = ~(pb < t[:, None])
+    keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
+    dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
+    return t, keep, dropped
+
+
+def _budget(s_idx, cfg: LouverConfig):
+    n_idx = s_idx.shape[1]
+    if n_idx == 0:
+        return torch.full((s_idx.shape[0],), -math.inf)
+    sample = s_idx[:, _sample_positions(n_idx, cfg.sample_size)]
+    k = max(1, math.floor(sample.shape[1] * cfg.budget))
+    return sample.sort(dim=1, descending=True).values[:, min(k, sample.shape[1]) - 1]
+
+
+def _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
+    size = cfg.page_size
+    budget = cfg.eps * z_lb * th.BUDGET_SAFETY
+    t_out = torch.empty(pb.shape[0])
+    keep = torch.zeros(u.shape, dtype=torch.bool)
+    dropped = torch.zeros(pb.shape[0], dtype=torch.float64)
+    for h in range(pb.shape[0]):
+        e0 = _largest_edge(lambda e: size * _mass(x_page[h], x_page[h] < e), budget[h] / 2, -1)
+        t0 = th.edge_threshold(torch.tensor(e0), ref[h], sigma)
+        keep_page = ~(pb[h] < t0)
+        in_page = keep_page.repeat_interleave(size)
+        page_mass = size * _mass(x_page[h], ~keep_page)
+        e1 = _largest_edge(lambda e: _mass(x_tok[h], in_page & (x_tok[h] < e)), budget[h] - page_mass, e0)
+        t1 = th.edge_threshold(torch.tensor(e1), ref[h], sigma) if e1 >= 0 else torch.tensor(-math.inf)
+        keep[h] = in_page & ~(u[h] < t1)
+        t_out[h] = torch.maximum(t1, t0)
+        dropped[h] = page_mass + _mass(x_tok[h], in_page & ~keep[h])
+    return t_out, keep, dropped
+
+
+def _largest_edge(mass_fn, budget, floor: int) -> int:
+    for j in range(th.EDGE_COUNT - 1, max(floor, 0) - 1, -1):
+        if mass_fn(float(th.EDGES[j])) <= budget:
+            return j
+    return -1
+
+
+def _mass(x, mask):
+    return torch.where(mask, torch.exp(x.clamp(max=700.0)).nan_to_num(nan=0.0), 0.0).sum(-1)
+
+
+def _softmax_out(scores, values, attended, sigma, groups):
+    s = torch.where(attended, sigma * scores.double(), float("-inf"))
+    p = torch.softmax(s, dim=1)
+    v = values.double().repeat_interleave(groups, dim=1)  # [L, H_q, D_v]
+    return torch.einsum("hl,lhd->hd", p, v).float()

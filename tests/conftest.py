@@ -1,0 +1,51 @@
+"""Shared helpers: fp64 brute force and paged KV fixtures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import settings
+
+import os
+
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)
+settings.register_profile("thorough", deadline=None, max_examples=3000, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def brute_force_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exact fp64 scores ``[H_q, N]`` of queries ``[H_q, D]`` against keys ``[N, H_kv, D]``."""
+    groups = queries.shape[0] // keys.shape[1]
+    k = keys.to(torch.float64).repeat_interleave(groups, dim=1)
+    return torch.einsum("hd,nhd->hn", queries.to(torch.float64), k)
+
+
+def assert_no_false_negatives(mask: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor) -> None:
+    """Recall exactly 1.0: every key with exact score >= T is in ``mask``."""
+    exact = scores >= thresholds.to(torch.float64)[:, None]
+    missed = exact & ~mask
+    assert not bool(missed.any()), f"{int(missed.sum())} false negatives (recall < 1.0)"
+
+
+def make_paged(lens, page_size, h_kv, dim, seed=0, dtype=torch.float32, spare_pages=2):
+    """Random paged KV buffers with shuffled page ids: (k, v, page_table, seq_lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(n / page_size) for n in lens]
+    total = sum(pages) + spare_pages
+    k = torch.randn(total * page_size, h_kv, dim, generator=gen)
+    k[..., : dim // 8] += 3 * torch.randn(total * page_size, h_kv, 1, generator=gen)
+    v = torch.randn(total * page_size, h_kv, dim, generator=gen)
+    perm = torch.randperm(total, generator=gen)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.long)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[start : start + n]
+        start += n
+    return k.to(dtype), v.to(dtype), table, torch.tensor(lens)
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)
