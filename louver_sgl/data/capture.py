@@ -188,7 +188,7 @@ def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], nu
     torch.save(trace, out_path.with_suffix(".tmp"))
     out_path.with_suffix(".tmp").replace(out_path)
     print(f"[capture] wrote {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB) in {meta['seconds']} s; "
-          f"mean NLL first chunk {nlls[0]:.2f}, last chunk {nlls[-1]:.2f}")
+          f"mean NLL of the first / last prefix chunk {nlls[0]:.2f} / {nlls[-2]:.2f}")
     return out_path
 
 

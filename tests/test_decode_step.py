@@ -1,0 +1,156 @@
+"""The batched decode step against dense attention, the reference, and its certified bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_paged
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode import dense_attention, louver_decode
+from louver_sgl.decode.reference import reference_decode
+
+LENS = [300, 700, 20, 64, 129]
+GQA = [(2, 3), (1, 4), (4, 1)]
+
+
+def _setup(config, lens=LENS, h_kv=2, groups=3, dim=64, dtype=torch.float32, seed=0):
+    k, v, table, seq_lens = make_paged(lens, config.page_size, h_kv, dim, seed=seed, dtype=dtype)
+    store = PageIndexStore(config, len(k) // config.page_size, h_kv, dim, dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = torch.randn(len(lens), h_kv * groups, dim, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    return q.to(dtype), k, v, table, seq_lens, store
+
+
+def _dense_rows(q, k, v, table, seq_lens, sigma, size):
+    rows = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = table[b, pos // size] * size + pos % size
+        rows.append(dense_attention(q[b], k[slots], v[slots], sigma))
+    return torch.stack(rows)
+
+
+def _masked_dense(q, k, v, table, seq_lens, sigma, size, attended):
+    """fp64 dense attention restricted to a per-request, per-head attended mask."""
+    rows = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = table[b, pos // size] * size + pos % size
+        groups = q.shape[1] // k.shape[1]
+        kk = k[slots].double().repeat_interleave(groups, 1)
+        vv = v[slots].double().repeat_interleave(groups, 1)
+        s = sigma * torch.einsum("hd,lhd->hl", q[b].double(), kk)
+        p = torch.softmax(s.masked_fill(~attended[b], -math.inf), dim=1)
+        rows.append(torch.einsum("hl,lhd->hd", p, vv))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("family", ["grid", "clustered"])
+@pytest.mark.parametrize("h_kv,groups", GQA)
+def test_dense_policy_reproduces_dense_attention(family, h_kv, groups):
+    """policy=dense attends every key: the output equals dense attention."""
+    cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy="dense", dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, h_kv=h_kv, groups=groups)
+    sigma = 1 / math.sqrt(64)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
+    assert bool((stats.candidates == stats.num_indexed[:, None]).all())
+
+
+@pytest.mark.parametrize("family", ["grid", "clustered"])
+@pytest.mark.parametrize("policy", ["certified", "budget", "fixed", "dense"])
+@pytest.mark.parametrize("value_gate", [True, False])
+def test_fast_path_matches_reference(family, policy, value_gate):
+    """The vectorised step equals the per-request reference (thresholds, candidates, output)."""
+    cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy=policy, eps=0.05,
+                       fixed_threshold=4.0, budget=0.1, sample_size=32, value_gate=value_gate,
+                       dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg)
+    sigma = 1 / math.sqrt(64)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    ref, info = reference_decode(q, k, v, table, lens, store, sigma)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    t_ref = torch.stack([i["threshold"] for i in info])
+    finite = torch.isfinite(t_ref)
+    assert bool((torch.isfinite(stats.threshold) == finite).all())
+    torch.testing.assert_close(stats.threshold[finite], t_ref[finite], atol=1e-4, rtol=1e-5)
+    dense_count = torch.stack([i["attended"].sum(1) for i in info]) - stats.candidates
+    assert bool((dense_count == (lens - stats.num_indexed)[:, None]).all())
+
+
+@pytest.mark.parametrize("family", ["grid", "clustered"])
+@pytest.mark.parametrize("policy", ["certified", "budget", "fixed"])
+def test_output_equals_dense_restricted_to_candidates(family, policy):
+    """Any policy = dense attention over exactly the attended set (fp64 reference, tight tol)."""
+    cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy=policy, eps=0.05,
+                       fixed_threshold=3.0, sample_size=32, dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, h_kv=2, groups=2)
+    sigma = 1 / math.sqrt(64)
+    out, _ = louver_decode(q, k, v, table, lens, store, sigma)
+    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    attended = [i["attended"] for i in info]
+    want = _masked_dense(q, k, v, table, lens, sigma, 16, attended)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["grid", "clustered"])
+@pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_certified_bound_holds(family, eps, dtype):
+    """Measured dropped mass <= reported bound < eps; output error <= 2·eps·max‖v‖."""
+    cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, eps=eps, sample_size=32,
+                       dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=5)
+    sigma = 3 / math.sqrt(64)  # sharper softmax: more pruning happens
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    dense = _dense_rows(q, k, v, table, lens, sigma, 16)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        slots = table[b, pos // 16] * 16 + pos % 16
+        s = sigma * torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(3, 1))
+        p = torch.softmax(s, dim=1)
+        dropped = (p * ~info[b]["attended"]).sum(1)
+        assert bool((dropped <= stats.mass_bound[b] + 1e-12).all())
+        assert bool((stats.mass_bound[b] < eps).all())
+        vmax = v[slots].double().norm(dim=-1).max()
+        err = (out[b].double() - dense[b].double()).norm(dim=-1)
+        assert bool((err <= 2 * eps * vmax + 1e-2 * (dtype == torch.float16) + 1e-5).all())
+
+
+def test_certified_prunes_peaked_attention():
+    """On keys with a few dominant matches, certified eps keeps a small fraction."""
+    gen = torch.Generator().manual_seed(11)
+    cfg = LouverConfig(page_size=16, eps=1e-3, sample_size=64, dense_fallback_fraction=1.0)
+    k, v, table, lens = make_paged([2048], 16, 1, 64, seed=11)
+    k *= 0.3
+    q = torch.randn(1, 1, 64, generator=gen)
+    hot = table[0, 40] * 16 + 3
+    k[hot, 0] = q[0, 0] * 2
+    store = PageIndexStore(cfg, len(k) // 16, 1, 64, torch.float32)
+    store.build_pages(k, torch.arange(store.num_pages))
+    out, stats = louver_decode(q, k, v, table, lens, store, 1.0)
+    assert stats.candidates[0, 0] < 0.2 * stats.num_indexed[0]
+    assert stats.mass_bound[0, 0] < 1e-3
+
+
+def test_dense_fallback_above_fraction():
+    """A request whose candidates exceed the fraction runs dense and says so."""
+    cfg = LouverConfig(page_size=16, policy="dense", dense_fallback_fraction=0.5)
+    q, k, v, table, lens, store = _setup(cfg)
+    sigma = 0.125
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    assert bool(stats.dense_fallback[stats.num_indexed > 0].all())
+    torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
+
+
+def test_caller_owned_output_buffer():
+    """``out=`` is written in place and returned."""
+    cfg = LouverConfig(page_size=16)
+    q, k, v, table, lens, store = _setup(cfg)
+    buf = torch.empty(len(lens), q.shape[1], 64)
+    out, _ = louver_decode(q, k, v, table, lens, store, 0.125, out=buf)
+    assert out.data_ptr() == buf.data_ptr()
