@@ -41,8 +41,8 @@ class LouverConfig:
       sink_pages: leading full pages of every request that are always attended densely.
       recent_pages: trailing full pages (before the tail) that are always attended densely.
       dense_fallback_fraction: a request whose candidate fraction exceeds this runs dense.
-      value_gate: skip V reads for candidates whose exact score is below T (their exact mass is
-        added to the reported dropped-mass bound; certified steps only gate within their budget).
+      value_gate: with the budget and fixed policies, skip V reads for candidates whose exact
+        score is below T (their exact mass is added to the reported dropped-mass bound).
     """
 
     page_size: int = 64

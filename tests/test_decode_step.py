@@ -126,15 +126,18 @@ def test_certified_prunes_peaked_attention():
     gen = torch.Generator().manual_seed(11)
     cfg = LouverConfig(page_size=16, eps=1e-3, sample_size=64, dense_fallback_fraction=1.0)
     k, v, table, lens = make_paged([2048], 16, 1, 64, seed=11)
-    k *= 0.3
+    k *= 0.05
     q = torch.randn(1, 1, 64, generator=gen)
     hot = table[0, 40] * 16 + 3
-    k[hot, 0] = q[0, 0] * 2
+    recent = table[0, 127] * 16 + 5  # a matching key in the dense part makes Z_lb large
+    k[hot, 0], k[recent, 0] = q[0, 0] * 0.5, q[0, 0] * 0.5
     store = PageIndexStore(cfg, len(k) // 16, 1, 64, torch.float32)
     store.build_pages(k, torch.arange(store.num_pages))
-    out, stats = louver_decode(q, k, v, table, lens, store, 1.0)
+    _, stats = louver_decode(q, k, v, table, lens, store, 1.0)
     assert stats.candidates[0, 0] < 0.2 * stats.num_indexed[0]
-    assert stats.mass_bound[0, 0] < 1e-3
+    assert 0 < stats.mass_bound[0, 0] < 1e-3
+    _, info = reference_decode(q, k, v, table, lens, store, 1.0)
+    assert bool(info[0]["attended"][0, 40 * 16 + 3])
 
 
 def test_dense_fallback_above_fraction():

@@ -6,7 +6,7 @@ One request and one query head at a time, with every rule written out directly:
   3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first).
   4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
      set of every head of a GQA group is the union of the group's candidates, minus (value gate)
-     candidates whose exact score is below the head's T when the gate is allowed.
+     candidates whose exact score is below the head's T (budget and fixed policies only).
   5. Softmax over D ∪ attended candidates in fp64; dense fallback above the candidate fraction.
 """
 
@@ -68,9 +68,7 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
                             + torch.where(union, torch.exp(x_all[:, idx_pos]), 0.0).sum(1))
     below = union & (s_idx < t[:, None])
     gated = torch.where(below, torch.exp(x_all[:, idx_pos]), 0.0).sum(1)
-    allowed = torch.full((h_q,), cfg.value_gate)
-    if cfg.policy == "certified":
-        allowed &= dropped + gated <= cfg.eps * z_final * th.BUDGET_SAFETY
+    allowed = torch.full((h_q,), cfg.value_gate and cfg.policy in ("budget", "fixed"))
     att = dense.expand(h_q, n).clone()
     att[:, idx_pos] = union & ~(below & allowed[:, None])
     bound = (dropped + gated * allowed) / z_final

@@ -133,7 +133,8 @@ class _Gate:
 def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batch) -> _Gate:
     """Skip V for candidates whose exact score is below T, counting their exact mass as dropped.
 
-    Certified steps gate a head only if its bound stays within eps; other policies always gate.
+    Only the budget and fixed policies gate: a certified step attends every candidate, so its
+    bound is the index bound alone.
     """
     heads = ref.shape[1]
     groups = cand.scores.shape[1]
@@ -147,12 +148,15 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     gated = torch.zeros(batch * heads, dtype=torch.float64).index_add_(
         0, flat.reshape(-1), (mass * below).reshape(-1)
     ).view(batch, heads)
-    allowed = torch.full_like(z_final, config.value_gate, dtype=torch.bool)
-    if config.policy == "certified":
-        allowed &= filt.dropped + gated <= config.eps * z_final * th.BUDGET_SAFETY
+    allowed = torch.full_like(z_final, gates_values(config), dtype=torch.bool)
     attend = ~(below & allowed.view(-1)[flat])
     dropped = filt.dropped + gated * allowed
     return _Gate(attend, dropped / z_final)
+
+
+def gates_values(config: LouverConfig) -> bool:
+    """Whether candidates scoring below T skip their V read (budget and fixed policies)."""
+    return config.value_gate and config.policy in ("budget", "fixed")
 
 
 def _attend(q32, s_dense, cand: _Candidates, gate: _Gate, v_cache, plan, sigma, batch) -> torch.Tensor:
