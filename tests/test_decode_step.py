@@ -60,17 +60,20 @@ def test_dense_policy_reproduces_dense_attention(family, h_kv, groups):
     assert bool((stats.candidates == stats.num_indexed[:, None]).all())
 
 
-@pytest.mark.parametrize("family", ["grid", "clustered"])
+BACKENDS = [("grid", "torch"), ("grid", "cpp"), ("clustered", "torch")]
+
+
+@pytest.mark.parametrize("family,backend", BACKENDS)
 @pytest.mark.parametrize("policy", ["certified", "budget", "fixed", "dense"])
 @pytest.mark.parametrize("value_gate", [True, False])
-def test_fast_path_matches_reference(family, policy, value_gate):
-    """The vectorised step equals the per-request reference (thresholds, candidates, output)."""
+def test_fast_path_matches_reference(family, backend, policy, value_gate):
+    """The fast step (torch or compiled) equals the per-request reference: T, counts, output."""
     cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy=policy, eps=0.05,
                        fixed_threshold=4.0, budget=0.1, sample_size=32, value_gate=value_gate,
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=3)
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     t_ref = torch.stack([i["threshold"] for i in info])
@@ -96,16 +99,16 @@ def test_output_equals_dense_restricted_to_candidates(family, policy):
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["grid", "clustered"])
+@pytest.mark.parametrize("family,backend", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_certified_bound_holds(family, eps, dtype):
+def test_certified_bound_holds(family, backend, eps, dtype):
     """Measured dropped mass <= reported bound < eps; output error <= 2·eps·max‖v‖."""
     cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, eps=eps, sample_size=32,
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=5)
     sigma = 3 / math.sqrt(64)  # sharper softmax: more pruning happens
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=5)
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     dense = _dense_rows(q, k, v, table, lens, sigma, 16)
     for b, n in enumerate(lens.tolist()):
@@ -121,7 +124,8 @@ def test_certified_bound_holds(family, eps, dtype):
         assert bool((err <= 2 * eps * vmax + 1e-2 * (dtype == torch.float16) + 1e-5).all())
 
 
-def test_certified_prunes_peaked_attention():
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_certified_prunes_peaked_attention(backend):
     """On keys with a few dominant matches, certified eps keeps a small fraction."""
     gen = torch.Generator().manual_seed(11)
     cfg = LouverConfig(page_size=16, eps=1e-3, sample_size=64, dense_fallback_fraction=1.0)
@@ -133,7 +137,7 @@ def test_certified_prunes_peaked_attention():
     k[hot, 0], k[recent, 0] = q[0, 0] * 0.5, q[0, 0] * 0.5
     store = PageIndexStore(cfg, len(k) // 16, 1, 64, torch.float32)
     store.build_pages(k, torch.arange(store.num_pages))
-    _, stats = louver_decode(q, k, v, table, lens, store, 1.0)
+    _, stats = louver_decode(q, k, v, table, lens, store, 1.0, backend=backend)
     assert stats.candidates[0, 0] < 0.2 * stats.num_indexed[0]
     assert 0 < stats.mass_bound[0, 0] < 1e-3
     _, info = reference_decode(q, k, v, table, lens, store, 1.0)

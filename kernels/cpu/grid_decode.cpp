@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -91,18 +92,30 @@ struct AttendArgs {
   const bool* keep_page;   // [NP, H_q]
   const float* t_tok;      // [B, H_q] token threshold
   const float* t_gate;     // [B, H_q] value gate threshold (-inf: attend every candidate)
+  const float* ref;        // [B, H_q] reference score of the mass accounting
   float sigma;
   int64_t h_q, h_kv, groups, dim, dim_v, bytes, page_size, bits;
 };
 
+// Mass accounting per head, relative to exp(σ·(s − ref)), accumulated in fp64:
+// [0] index-dropped tokens (page kept for the head, own bound below T), [1] value-gated candidates
+// (exact score below the gate threshold), [2] every union candidate (exact).
+struct HeadState {
+  float m = -INFINITY, l = 0.f;
+  int64_t attended = 0;
+  double mass[3] = {0.0, 0.0, 0.0};
+};
+
 template <typename KV>
 void attend_chunk(const AttendArgs& a, const KV* kc, const KV* vc, int64_t chunk, int64_t k,
-                  float* m_out, float* l_out, float* o_out, int64_t* counts) {
+                  float* m_out, float* l_out, float* o_out, int64_t* counts, double* mass_out) {
   const int64_t b = a.chunk_req[chunk], G = a.groups, D = a.dim, DV = a.dim_v;
-  std::vector<float> row(D), key(D), acc(G * DV, 0.f), m(G, -INFINITY), l(G, 0.f), ub(G), s(G);
-  const float* qk = a.q + (b * a.h_q + k * G) * D;
+  const int64_t head0 = b * a.h_q + k * G;
+  std::vector<float> row(D), buf(std::max(D, DV)), acc(G * DV, 0.f), s(G);
+  std::vector<char> attend(G);
+  std::vector<HeadState> st(G);
+  const float* qk = a.q + head0 * D;
   int64_t n_union = 0, n_values = 0;
-  std::vector<int64_t> own(G, 0);
   for (int64_t i = a.chunk_begin[chunk]; i < a.chunk_end[chunk]; ++i) {
     const bool* kp = a.keep_page + i * a.h_q + k * G;
     bool any_page = false;
@@ -115,47 +128,54 @@ void attend_chunk(const AttendArgs& a, const KV* kc, const KV* vc, int64_t chunk
       unpack_row(a.codes + (slot * a.h_kv + k) * a.bytes, static_cast<int>(a.bits), D, row.data());
       bool cand = false;
       for (int64_t g = 0; g < G; ++g) {
+        if (!kp[g]) continue;
         const float u = off[g] + dot(row.data(), wk + g * D, D);
-        const bool keep = kp[g] && !(u < a.t_tok[b * a.h_q + k * G + g]);  // NaN keeps
-        own[g] += keep;
+        const bool keep = !(u < a.t_tok[head0 + g]);  // NaN keeps
+        if (!keep) st[g].mass[0] += std::exp(std::min(700.0, double(a.sigma) * (double(u) - a.ref[head0 + g])));
         cand |= keep;
       }
       if (!cand) continue;
       ++n_union;
       const KV* kr = kc + (slot * a.h_kv + k) * D;
-      for (int64_t d = 0; d < D; ++d) key[d] = to_f32(kr[d]);
+      for (int64_t d = 0; d < D; ++d) buf[d] = to_f32(kr[d]);
       bool need_v = false;
       for (int64_t g = 0; g < G; ++g) {
-        s[g] = dot(key.data(), qk + g * D, D);
-        ub[g] = !(s[g] < a.t_gate[b * a.h_q + k * G + g]);  // attended by head g
-        need_v |= ub[g] != 0.f;
+        s[g] = dot(buf.data(), qk + g * D, D);
+        const double e = std::exp(std::min(700.0, double(a.sigma) * (double(s[g]) - a.ref[head0 + g])));
+        attend[g] = !(s[g] < a.t_gate[head0 + g]);
+        st[g].mass[2] += e;
+        if (!attend[g]) st[g].mass[1] += e;
+        need_v |= attend[g];
       }
       if (!need_v) continue;
       ++n_values;
       const KV* vr = vc + (slot * a.h_kv + k) * DV;
-      for (int64_t d = 0; d < DV; ++d) key[d] = to_f32(vr[d]);
+      for (int64_t d = 0; d < DV; ++d) buf[d] = to_f32(vr[d]);
       for (int64_t g = 0; g < G; ++g) {
-        if (ub[g] == 0.f) continue;
+        if (!attend[g]) continue;
+        HeadState& h = st[g];
+        ++h.attended;
         const float x = a.sigma * s[g];
-        if (x > m[g]) {
-          const float scale = std::exp(m[g] - x);
-          l[g] *= scale;
-          for (int64_t d = 0; d < DV; ++d) acc[g * DV + d] *= scale;
-          m[g] = x;
-        }
-        const float e = std::exp(x - m[g]);
-        l[g] += e;
         float* ag = acc.data() + g * DV;
+        if (x > h.m) {  // rescale the running sum to the new maximum
+          const float scale = std::exp(h.m - x);
+          h.l *= scale;
+          for (int64_t d = 0; d < DV; ++d) ag[d] *= scale;
+          h.m = x;
+        }
+        const float e = std::exp(x - h.m);
+        h.l += e;
 #pragma omp simd
-        for (int64_t d = 0; d < DV; ++d) ag[d] += e * key[d];
+        for (int64_t d = 0; d < DV; ++d) ag[d] += e * buf[d];
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    m_out[g] = m[g];
-    l_out[g] = l[g];
+    m_out[g] = st[g].m;
+    l_out[g] = st[g].l;
     for (int64_t d = 0; d < DV; ++d) o_out[g * DV + d] = acc[g * DV + d];
-    counts[g] = own[g];
+    counts[g] = st[g].attended;
+    for (int j = 0; j < 3; ++j) mass_out[g * 3 + j] = st[g].mass[j];
   }
   counts[G] = n_union;
   counts[G + 1] = n_values;
@@ -164,19 +184,20 @@ void attend_chunk(const AttendArgs& a, const KV* kc, const KV* vc, int64_t chunk
 }  // namespace
 
 // Outputs per (chunk, KV head): m, l [NC, H_kv, G] f32 (m in σ·score units), o [NC, H_kv, G, D_v]
-// f32 (unnormalised), counts [NC, H_kv, G + 2] i64 (own candidates per head, union, values read).
+// f32 (unnormalised), counts [NC, H_kv, G + 2] i64 (attended per head, union, values read),
+// mass [NC, H_kv, G, 3] f64 (index-dropped, value-gated, all candidates; see HeadState).
 void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor codes, torch::Tensor page_ids, torch::Tensor chunk_req,
                         torch::Tensor chunk_begin, torch::Tensor chunk_end, torch::Tensor weights,
                         torch::Tensor offset, torch::Tensor keep_page, torch::Tensor t_tok,
-                        torch::Tensor t_gate, double sigma, int64_t bits, int64_t page_size,
-                        torch::Tensor m_out, torch::Tensor l_out, torch::Tensor o_out,
-                        torch::Tensor counts) {
+                        torch::Tensor t_gate, torch::Tensor ref, double sigma, int64_t bits,
+                        int64_t page_size, torch::Tensor m_out, torch::Tensor l_out,
+                        torch::Tensor o_out, torch::Tensor counts, torch::Tensor mass) {
   AttendArgs a{q.data_ptr<float>(), codes.data_ptr<uint8_t>(), page_ids.data_ptr<int64_t>(),
                chunk_req.data_ptr<int64_t>(), chunk_begin.data_ptr<int64_t>(),
                chunk_end.data_ptr<int64_t>(), weights.data_ptr<float>(), offset.data_ptr<float>(),
                keep_page.data_ptr<bool>(), t_tok.data_ptr<float>(), t_gate.data_ptr<float>(),
-               static_cast<float>(sigma), q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1),
+               ref.data_ptr<float>(), static_cast<float>(sigma), q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1),
                q.size(2), v_cache.size(2), codes.size(2), page_size, bits};
   const int64_t n_chunks = chunk_req.size(0), G = a.groups;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "grid_sparse_attend", [&] {
@@ -188,7 +209,8 @@ void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
         const int64_t base = (c * a.h_kv + k) * G;
         attend_chunk<scalar_t>(a, kc, vc, c, k, m_out.data_ptr<float>() + base,
                                l_out.data_ptr<float>() + base, o_out.data_ptr<float>() + base * a.dim_v,
-                               counts.data_ptr<int64_t>() + (c * a.h_kv + k) * (G + 2));
+                               counts.data_ptr<int64_t>() + (c * a.h_kv + k) * (G + 2),
+                               mass.data_ptr<double>() + base * 3);
       }
     });
   });

@@ -23,15 +23,21 @@ from .segments import seg_sum
 class FilterResult:
     """Outcome of the index filter.
 
-    threshold ``[B, H_q]`` fp32; surviving ``[NS]`` int64 rows of the plan's page list;
-    keep ``[NS, P, H_q]`` bool token candidates; pages_skipped ``[B, H_q]`` int64;
-    dropped ``[B, H_q]`` fp64 bound on Σ exp(σ·(s − ref)) over dropped indexed keys.
+    threshold ``[B, H_q]`` fp32 (every key scoring >= it is kept); token_threshold ``[B, H_q]``
+    (the token gate; −inf when a certified step keeps whole pages); keep_page ``[NP, H_q]`` bool;
+    surviving ``[NS]`` int64 rows of the plan's page list; keep ``[NS, P, H_q]`` bool token
+    candidates (None when the token pass is left to a fused kernel); pages_skipped ``[B, H_q]``;
+    page_mass and dropped ``[B, H_q]`` fp64 bounds on Σ exp(σ·(s − ref)) over skipped pages and
+    over all dropped indexed keys.
     """
 
     threshold: torch.Tensor
+    token_threshold: torch.Tensor
+    keep_page: torch.Tensor
     surviving: torch.Tensor
-    keep: torch.Tensor
+    keep: torch.Tensor | None
     pages_skipped: torch.Tensor
+    page_mass: torch.Tensor
     dropped: torch.Tensor
 
 
@@ -45,6 +51,7 @@ def run_filter(
     sample: tuple[torch.Tensor, torch.Tensor],
     sigma: float,
     config: LouverConfig,
+    with_tokens: bool = True,
 ) -> FilterResult:
     """Choose thresholds and filter.
 
@@ -53,6 +60,7 @@ def run_filter(
         page_req: ``[NP]`` request of each page; ref, z_lb: ``[B, H_q]`` reference score (fp32)
             and exact lower bound of the softmax denominator (fp64, relative to ref).
         sample: (padded sample scores ``[B, M, H_q]`` fp32, sample counts ``[B]``).
+        with_tokens: evaluate token bounds here; certified steps always do (T depends on them).
     """
     batch, heads = ref.shape
     size = store.page_size
@@ -70,6 +78,9 @@ def run_filter(
     keep_page = keep_at_least(pb, t[page_req])
     page_mass = seg_sum(size * torch.exp(x_page.clamp(max=700.0)) * ~keep_page, page_req, batch)
     surviving = keep_page.any(dim=1).nonzero()[:, 0]
+    skipped = seg_sum((~keep_page).long(), page_req, batch)
+    if not with_tokens and edge0 is None:
+        return FilterResult(t, t, keep_page, surviving, None, skipped, page_mass, page_mass)
     sub = PageBounds(bounds.page_bound[surviving], tuple(x[surviving] for x in bounds.terms))
     tok = store.token_bounds(sub, page_ids[surviving]).reshape(len(surviving), size, heads)
     tok = torch.minimum(tok, pb[surviving][:, None, :])
@@ -83,8 +94,7 @@ def run_filter(
     keep = in_page & keep_at_least(tok, t_tok[req_s][:, None, :])
     dropped_tok = torch.exp(x_tok.clamp(max=700.0)) * (in_page & ~keep)
     dropped = page_mass + seg_sum(dropped_tok.sum(1), req_s, batch)
-    skipped = seg_sum((~keep_page).long(), page_req, batch)
-    return FilterResult(t, surviving, keep, skipped, dropped)
+    return FilterResult(t, t_tok, keep_page, surviving, keep, skipped, page_mass, dropped)
 
 
 def _certified_token_threshold(

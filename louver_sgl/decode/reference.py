@@ -66,7 +66,7 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     s_idx = scores[:, idx_pos]
     z_final = torch.maximum(z_lb, torch.where(dense, torch.exp(x_all), 0.0).sum(1)
                             + torch.where(union, torch.exp(x_all[:, idx_pos]), 0.0).sum(1))
-    below = union & (s_idx < t[:, None])
+    below = union & (s_idx < th.gate_threshold(t)[:, None])
     gated = torch.where(below, torch.exp(x_all[:, idx_pos]), 0.0).sum(1)
     allowed = torch.full((h_q,), cfg.value_gate and cfg.policy in ("budget", "fixed"))
     att = dense.expand(h_q, n).clone()

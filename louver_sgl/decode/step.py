@@ -51,6 +51,8 @@ def louver_decode(
     sigma: float,
     config: LouverConfig | None = None,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunk_pages: int = 32,
 ) -> tuple[torch.Tensor, StepStats]:
     """One decode step for a batch of requests.
 
@@ -61,28 +63,50 @@ def louver_decode(
         store: the page index (every full indexed page must be built).
         sigma: softmax scale. config: defaults to ``store.config`` (same index layout required).
         out: optional caller-owned ``[B, H_q, D_v]`` output buffer.
+        backend: "torch" (vectorised torch), "cpp" (compiled CPU kernel, grid family), or "auto"
+            (the compiled kernel where it applies and loads, else torch).
+        chunk_pages: pages per split of the compiled kernel (a profile knob).
 
     Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
     """
     config = config or store.config
     _check_inputs(q, k_cache, v_cache, store, config)
     plan = plan_decode(page_table, seq_lens, config)
+    ops = _cpu_ops(backend, store, q)
+    if ops is not None:
+        from .fused import run_decode_fused
+
+        return run_decode_fused(q, k_cache, v_cache, plan, store, sigma, config, ops, chunk_pages, out)
     return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
+
+
+def _cpu_ops(backend: str, store: PageIndexStore, q: torch.Tensor):
+    """The compiled CPU ops if ``backend`` asks for them (or allows them) and they apply."""
+    if backend not in ("auto", "torch", "cpp"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'cpp', got {backend!r}")
+    applies = store.config.family == "grid" and q.device.type == "cpu"
+    if backend == "torch" or (backend == "auto" and not applies):
+        return None
+    if not applies:
+        raise ValueError("the compiled CPU kernel supports the grid family on CPU tensors only")
+    from louver_kernels.cpu_ops import cpu_ops_available, load_cpu_ops
+
+    if cpu_ops_available():
+        return load_cpu_ops()
+    if backend == "cpp":
+        raise RuntimeError("the compiled CPU kernel failed to build or load (see the log)")
+    return None
 
 
 def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None):
     """Device-side part of ``louver_decode`` for a prepared ``plan`` (same arguments)."""
     batch, heads, _ = q.shape
     q32 = q.to(torch.float32)
-    s_dense = exact_scores(q32, k_cache, plan.dense_slots, plan.dense_req)
-    s_sample = exact_scores(q32, k_cache, plan.sample_slots, plan.sample_req)
-    ref = seg_amax(torch.cat([s_dense, s_sample]), torch.cat([plan.dense_req, plan.sample_req]), batch)
-    z_dense = seg_sum(torch.exp(th.log_mass(s_dense, ref[plan.dense_req], sigma)), plan.dense_req, batch)
-    z_lb = z_dense + seg_sum(torch.exp(th.log_mass(s_sample, ref[plan.sample_req], sigma)), plan.sample_req, batch)
+    ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    sample = _pad_sample(s_sample, plan, batch)
-    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ref, z_lb, sample, sigma, config)
+    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
+    s_dense, ref, z_dense, z_lb = ex.s_dense, ex.ref, ex.z_dense, ex.z_lb
     fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
     cand = _candidates(q32, k_cache, filt, plan, fallback)
     gate = _value_gate(cand, filt, ref, z_dense, z_lb, sigma, config, batch)
@@ -93,6 +117,30 @@ def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=
     out.copy_(result)
     stats = _stats(filt, cand, gate, plan, fallback, batch)
     return out, stats
+
+
+@dataclass
+class ExactPart:
+    """Exact scores computed before filtering: dense part ``s_dense`` ``[ND, H_q]``; ``ref`` (max
+    exact score, fp32), ``z_dense`` and ``z_lb`` (fp64 masses relative to ref) ``[B, H_q]``;
+    ``sample`` = (padded sample scores ``[B, M, H_q]``, counts ``[B]``)."""
+
+    s_dense: torch.Tensor
+    ref: torch.Tensor
+    z_dense: torch.Tensor
+    z_lb: torch.Tensor
+    sample: tuple[torch.Tensor, torch.Tensor]
+
+
+def exact_part(q32: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan, sigma: float) -> ExactPart:
+    """Exact scores of the dense part and the sample, the reference score and Z_lb."""
+    batch = plan.batch_size
+    s_dense = exact_scores(q32, k_cache, plan.dense_slots, plan.dense_req)
+    s_sample = exact_scores(q32, k_cache, plan.sample_slots, plan.sample_req)
+    ref = seg_amax(torch.cat([s_dense, s_sample]), torch.cat([plan.dense_req, plan.sample_req]), batch)
+    z_dense = seg_sum(torch.exp(th.log_mass(s_dense, ref[plan.dense_req], sigma)), plan.dense_req, batch)
+    z_sample = seg_sum(torch.exp(th.log_mass(s_sample, ref[plan.sample_req], sigma)), plan.sample_req, batch)
+    return ExactPart(s_dense, ref, z_dense, z_dense + z_sample, _pad_sample(s_sample, plan, batch))
 
 
 @dataclass
@@ -144,7 +192,7 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     mass = torch.exp(x.clamp(max=700.0))
     z_cand = torch.zeros(batch * heads, dtype=torch.float64).index_add_(0, flat.reshape(-1), mass.reshape(-1))
     z_final = torch.maximum(z_lb, z_dense + z_cand.view(batch, heads))
-    below = cand.scores < filt.threshold.view(-1)[flat]
+    below = cand.scores < th.gate_threshold(filt.threshold).view(-1)[flat]
     gated = torch.zeros(batch * heads, dtype=torch.float64).index_add_(
         0, flat.reshape(-1), (mass * below).reshape(-1)
     ).view(batch, heads)

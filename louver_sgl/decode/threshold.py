@@ -91,6 +91,12 @@ def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fr
     return torch.where(sample_count[:, None] > 0, t, torch.tensor(-math.inf))
 
 
+def gate_threshold(t: torch.Tensor) -> torch.Tensor:
+    """Value-gate threshold: a candidate skips its V read only if its exact score is clearly
+    below T, so that two evaluation orders of the same dot product gate the same keys."""
+    return t - 1e-4 * (t.abs() + 1.0)
+
+
 def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:
     """T for the policies that need no data (fixed, dense); None otherwise."""
     if config.policy == "dense":

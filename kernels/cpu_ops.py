@@ -1,0 +1,66 @@
+"""Loader of the compiled CPU kernels (torch cpp_extension, built once per CPU and cached).
+
+The build happens on first use (about half a minute on two cores) and is cached under
+``$LOUVER_KERNEL_CACHE`` (default ``~/.cache/louver_sgl/kernels``), keyed by the source hash and
+the CPU model because the code is compiled for the host's instruction set.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "cpu" / "grid_decode.cpp"
+
+
+def cpu_model_name() -> str:
+    """The CPU model string from /proc/cpuinfo (or the platform processor name)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(_SOURCE.read_bytes() + cpu_model_name().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("LOUVER_KERNEL_CACHE", Path.home() / ".cache" / "louver_sgl" / "kernels"))
+    path = root / f"grid_decode_{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load_cpu_ops():
+    """The compiled module with ``grid_token_bounds`` and ``grid_sparse_attend``."""
+    from torch.utils import cpp_extension
+
+    logger.info("loading louver CPU kernels (compiles on first use)")
+    return cpp_extension.load(
+        name="louver_grid_decode",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-DAT_PARALLEL_OPENMP=1"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_build_dir()),
+        verbose=False,
+    )
+
+
+@functools.cache
+def cpu_ops_available() -> bool:
+    """True when the CPU kernels compile and load here (False, logged once, otherwise)."""
+    if os.environ.get("LOUVER_DISABLE_CPU_KERNELS") == "1":
+        return False
+    try:
+        load_cpu_ops()
+        return True
+    except Exception as exc:  # a missing compiler must not break the torch path
+        logger.warning("louver CPU kernels unavailable, using the torch path: %s", exc)
+        return False

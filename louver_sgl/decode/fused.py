@@ -1,0 +1,101 @@
+"""Decode step with the compiled CPU kernel for the grid family (same contract as the torch path).
+
+Torch does the small per-page work (page bounds, thresholds); one compiled pass per
+(request, KV head, chunk of pages) does token bounds, the GQA-union candidate gate, exact scores
+from candidate keys, the value gate and an online softmax; the chunks' partial softmax states are
+merged with the dense part here. Certified steps first run the compiled token-bound pass to choose
+T (it needs the histogram of all token bounds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import LouverConfig
+from ..index.store import PageIndexStore
+from . import threshold as th
+from .filter import run_filter
+from .plan import DecodePlan
+from .segments import seg_sum
+from .step import StepStats, _dense_for, exact_part, gates_values
+
+
+def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split each request's page rows into chunks: (chunk_req, begin, end) ``[NC]`` int64."""
+    counts = torch.bincount(plan.page_req, minlength=plan.batch_size)
+    starts = torch.cumsum(counts, 0) - counts
+    per_req = (counts + chunk_pages - 1) // chunk_pages
+    chunk_req = torch.repeat_interleave(torch.arange(plan.batch_size), per_req)
+    first = torch.cumsum(per_req, 0) - per_req
+    local = torch.arange(len(chunk_req)) - first[chunk_req]
+    begin = starts[chunk_req] + local * chunk_pages
+    end = torch.minimum(begin + chunk_pages, starts[chunk_req] + counts[chunk_req])
+    return chunk_req, begin, end
+
+
+def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
+                     config: LouverConfig, ops, chunk_pages: int, out=None):
+    """Fused-kernel version of ``run_decode`` (grid family, CPU tensors)."""
+    batch, heads, dim = q.shape
+    h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
+    groups = heads // h_kv
+    q32 = q.to(torch.float32).contiguous()
+    ex = exact_part(q32, k_cache, plan, sigma)
+    rows = q32.view(batch, h_kv, groups, dim)[plan.page_req]
+    bounds = store.page_bounds(rows, plan.page_ids)
+    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample,
+                      sigma, config, with_tokens=False)
+    weights, offset = (t.contiguous() for t in bounds.terms)
+    no_gate = torch.full_like(filt.threshold, float("-inf"))
+    gate = th.gate_threshold(filt.threshold) if gates_values(config) else no_gate
+    chunk_req, begin, end = page_chunks(plan, chunk_pages)
+    n_chunks = len(chunk_req)
+    m = torch.empty(n_chunks, h_kv, groups)
+    l = torch.empty_like(m)
+    o = torch.empty(n_chunks, h_kv, groups, d_v)
+    counts = torch.empty(n_chunks, h_kv, groups + 2, dtype=torch.long)
+    mass = torch.empty(n_chunks, h_kv, groups, 3, dtype=torch.float64)
+    ops.grid_sparse_attend(
+        q32, k_cache, v_cache, store.tensors["codes"], plan.page_ids, chunk_req, begin, end,
+        weights, offset, filt.keep_page.contiguous(), filt.token_threshold.contiguous(),
+        gate.contiguous(), ex.ref.contiguous(), float(sigma), store.config.grid_bits,
+        store.page_size, m, l, o, counts, mass,
+    )
+    result = _merge(ex, m, l, o, chunk_req, v_cache, plan, sigma, batch)
+    masses = seg_sum(mass.view(n_chunks, heads, 3), chunk_req, batch)  # [B, H_q, 3]
+    union = seg_sum(counts[..., groups].sum(1), chunk_req, batch)
+    fallback = union > config.dense_fallback_fraction * (plan.num_indexed * h_kv).clamp(min=1)
+    result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
+    if out is None:
+        out = torch.empty((batch, heads, d_v), dtype=q.dtype)
+    out.copy_(result)
+    z_final = torch.maximum(ex.z_lb, ex.z_dense + masses[..., 2])
+    dropped = filt.page_mass + masses[..., 0] + masses[..., 1]
+    bound = torch.where(fallback[:, None], 0.0, dropped / z_final)
+    stats = StepStats(
+        threshold=filt.threshold, candidates=seg_sum(counts[..., :groups].reshape(n_chunks, heads), chunk_req, batch),
+        pages_skipped=filt.pages_skipped, mass_bound=bound, num_indexed=plan.num_indexed,
+        num_pages=torch.bincount(plan.page_req, minlength=batch), dense_fallback=fallback,
+        values_read=seg_sum(counts[..., groups + 1].sum(1), chunk_req, batch),
+    )
+    return out, stats
+
+
+def _merge(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
+    """Merge chunk softmax states (m in σ·score units) with the dense part: ``[B, H_q, D_v]``."""
+    n_chunks = len(chunk_req)
+    heads, d_v = ex.s_dense.shape[1], v_cache.shape[-1]
+    groups = heads // v_cache.shape[1]
+    x_d = sigma * ex.s_dense  # [ND, H_q]
+    m_c = m.view(n_chunks, heads)
+    top = torch.full((batch, heads), float("-inf"))
+    top.scatter_reduce_(0, plan.dense_req[:, None].expand_as(x_d), x_d, reduce="amax")
+    top.scatter_reduce_(0, chunk_req[:, None].expand_as(m_c), m_c, reduce="amax")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w_d = torch.exp(x_d - top[plan.dense_req])
+    v_d = v_cache[plan.dense_slots].to(torch.float32).repeat_interleave(groups, dim=1)
+    scale_c = torch.exp(m_c - top[chunk_req])  # 0 for empty chunks (m = −inf)
+    den = seg_sum(w_d, plan.dense_req, batch) + seg_sum(l.view(n_chunks, heads) * scale_c, chunk_req, batch)
+    num = seg_sum(w_d[..., None] * v_d, plan.dense_req, batch)
+    num += seg_sum(o.view(n_chunks, heads, d_v) * scale_c[..., None], chunk_req, batch)
+    return num / den[..., None]
