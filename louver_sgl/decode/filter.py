@@ -52,6 +52,7 @@ def run_filter(
     sigma: float,
     config: LouverConfig,
     with_tokens: bool = True,
+    ops=None,
 ) -> FilterResult:
     """Choose thresholds and filter.
 
@@ -61,6 +62,7 @@ def run_filter(
             and exact lower bound of the softmax denominator (fp64, relative to ref).
         sample: (padded sample scores ``[B, M, H_q]`` fp32, sample counts ``[B]``).
         with_tokens: evaluate token bounds here; certified steps always do (T depends on them).
+        ops: compiled CPU ops for the grid token bounds (None: torch).
     """
     batch, heads = ref.shape
     size = store.page_size
@@ -82,7 +84,7 @@ def run_filter(
     if not with_tokens and edge0 is None:
         return FilterResult(t, t, keep_page, surviving, None, skipped, page_mass, page_mass)
     sub = PageBounds(bounds.page_bound[surviving], tuple(x[surviving] for x in bounds.terms))
-    tok = store.token_bounds(sub, page_ids[surviving]).reshape(len(surviving), size, heads)
+    tok = _token_bounds(store, sub, page_ids[surviving], ops).reshape(len(surviving), size, heads)
     tok = torch.minimum(tok, pb[surviving][:, None, :])
     req_s = page_req[surviving]
     x_tok = th.log_mass(tok, ref[req_s][:, None, :], sigma)
@@ -95,6 +97,17 @@ def run_filter(
     dropped_tok = torch.exp(x_tok.clamp(max=700.0)) * (in_page & ~keep)
     dropped = page_mass + seg_sum(dropped_tok.sum(1), req_s, batch)
     return FilterResult(t, t_tok, keep_page, surviving, keep, skipped, page_mass, dropped)
+
+
+def _token_bounds(store: PageIndexStore, bounds: PageBounds, page_ids: torch.Tensor, ops) -> torch.Tensor:
+    """Token bounds ``[n, P, H_kv, G]``; the compiled kernel reads packed codes in one pass."""
+    if ops is None or store.config.family != "grid":
+        return store.token_bounds(bounds, page_ids)
+    weights, offset = (t.contiguous() for t in bounds.terms)
+    out = torch.empty(len(page_ids), store.page_size, *offset.shape[1:])
+    ops.grid_token_bounds(store.tensors["codes"], page_ids.contiguous(), weights, offset,
+                          store.config.grid_bits, store.page_size, out)
+    return out
 
 
 def _certified_token_threshold(

@@ -44,7 +44,7 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     rows = q32.view(batch, h_kv, groups, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample,
-                      sigma, config, with_tokens=False)
+                      sigma, config, with_tokens=False, ops=ops)
     weights, offset = (t.contiguous() for t in bounds.terms)
     no_gate = torch.full_like(filt.threshold, float("-inf"))
     gate = th.gate_threshold(filt.threshold) if gates_values(config) else no_gate
@@ -72,11 +72,14 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     z_final = torch.maximum(ex.z_lb, ex.z_dense + masses[..., 2])
     dropped = filt.page_mass + masses[..., 0] + masses[..., 1]
     bound = torch.where(fallback[:, None], 0.0, dropped / z_final)
+    attended = seg_sum(counts[..., :groups].reshape(n_chunks, heads), chunk_req, batch)
     stats = StepStats(
-        threshold=filt.threshold, candidates=seg_sum(counts[..., :groups].reshape(n_chunks, heads), chunk_req, batch),
+        threshold=filt.threshold,
+        candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], attended),
         pages_skipped=filt.pages_skipped, mass_bound=bound, num_indexed=plan.num_indexed,
         num_pages=torch.bincount(plan.page_req, minlength=batch), dense_fallback=fallback,
-        values_read=seg_sum(counts[..., groups + 1].sum(1), chunk_req, batch),
+        values_read=seg_sum(counts[..., groups + 1].sum(1), chunk_req, batch), union_candidates=union,
+        pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
     )
     return out, stats
 

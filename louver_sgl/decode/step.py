@@ -26,9 +26,11 @@ from .segments import exact_scores, seg_amax, seg_sum
 class StepStats:
     """Per-step telemetry. Shapes: ``[B, H_q]`` unless noted.
 
-    threshold (fp32), candidates (indexed keys attended per head), pages_skipped, mass_bound
+    threshold (fp32), candidates (indexed keys attended per head; all under a dense fallback), pages_skipped, mass_bound
     (fp64 certified upper bound on the dropped softmax mass), num_indexed ``[B]``, num_pages ``[B]``,
-    dense_fallback ``[B]`` bool, values_read ``[B]`` (V rows read for indexed keys, all KV heads).
+    dense_fallback ``[B]`` bool, values_read ``[B]`` (V rows read for indexed keys, all KV heads),
+    union_candidates ``[B]`` (candidate rows over all KV heads: keys read), pages_read ``[B]``
+    (indexed pages whose codes were read because some head kept the page).
     """
 
     threshold: torch.Tensor
@@ -39,6 +41,8 @@ class StepStats:
     num_pages: torch.Tensor
     dense_fallback: torch.Tensor
     values_read: torch.Tensor
+    union_candidates: torch.Tensor
+    pages_read: torch.Tensor
 
 
 def louver_decode(
@@ -285,10 +289,13 @@ def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, b
     own = torch.zeros(batch * heads, dtype=torch.long).index_add_(0, flat, gate.attend.long().reshape(-1))
     values = torch.bincount(cand.req[gate.attend.any(1)], minlength=batch)
     return StepStats(
-        threshold=filt.threshold, candidates=own.view(batch, heads), pages_skipped=filt.pages_skipped,
+        threshold=filt.threshold, pages_skipped=filt.pages_skipped,
+        candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], own.view(batch, heads)),
         mass_bound=torch.where(fallback[:, None], torch.zeros_like(gate.mass_bound), gate.mass_bound),
         num_indexed=plan.num_indexed, num_pages=torch.bincount(plan.page_req, minlength=batch),
         dense_fallback=fallback, values_read=values,
+        union_candidates=torch.bincount(cand.req, minlength=batch),
+        pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
     )
 
 

@@ -1,0 +1,245 @@
+"""CPU decode-attention benchmark on captured SmolLM2 traces: louver step vs the fastest dense path.
+
+For each context length, layer and batch size, one run times every dense variant (SDPA and bmm in
+fp32/fp16/bf16 on pre-gathered contiguous K/V: the dense side pays no gather) and the louver step
+(threshold + filter + attention, all included, on the paged fp16 KV) for each policy, interleaved,
+and reports latency ratios against the fastest dense variant of that same run, with candidate and
+page-survival fractions, bytes read, index memory, page-build cost and recall (exactness is checked
+against an fp64 brute force on every timed configuration).
+
+    python -m benchmarks.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \\
+        data/traces/bible_32768.pt --out benchmarks/results/decode_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from benchmarks.traces import PagedBatch, load_trace, paged_batch
+from louver_kernels.cpu_ops import cpu_model_name
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode import louver_decode
+from louver_sgl.decode.plan import plan_decode, split_pages
+
+POLICIES = {
+    "certified-1e-2": {"policy": "certified", "eps": 1e-2},
+    "certified-1e-3": {"policy": "certified", "eps": 1e-3},
+    "certified-1e-4": {"policy": "certified", "eps": 1e-4},
+    "budget-0.05": {"policy": "budget", "budget": 0.05},
+    "budget-0.1": {"policy": "budget", "budget": 0.1},
+}
+INDEXES = {
+    "grid-4bit": {"family": "grid", "grid_bits": 4},
+    "clustered-S16-bf4": {"family": "clustered", "n_subspaces": 16, "cluster_size": 4},
+}
+
+
+def timeit(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def dense_variants(pb: PagedBatch) -> dict:
+    """Dense decode attention closures over pre-gathered contiguous K/V ``[B, H_q, L, D]``."""
+    batch, h_q, _ = pb.q.shape
+    groups = h_q // pb.k.shape[1]
+    size = len(pb.k) // pb.page_table.numel()
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ks, vs = [], []
+        for b, n in enumerate(pb.seq_lens.tolist()):
+            pos = torch.arange(n)
+            slots = pb.page_table[b, pos // size] * size + pos % size
+            ks.append(pb.k[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0))
+            vs.append(pb.v[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0))
+        q = pb.q.to(dtype)
+
+        def sdpa(q=q, ks=ks, vs=vs):
+            return [F.scaled_dot_product_attention(q[b, :, None], ks[b], vs[b], scale=pb.sigma) for b in range(batch)]
+
+        def bmm(q=q, ks=ks, vs=vs, dtype=dtype):
+            res = []
+            for b in range(batch):
+                p = torch.softmax(torch.bmm(q[b, :, None], ks[b].transpose(1, 2)).float() * pb.sigma, -1)
+                res.append(torch.bmm(p.to(dtype), vs[b]))
+            return res
+
+        name = str(dtype).replace("torch.", "")
+        out[f"sdpa-{name}"], out[f"bmm-{name}"] = sdpa, bmm
+    return out
+
+
+def recall_of_step(pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig, stats) -> float:
+    """Fraction of keys with exact fp64 score >= T that the step attended (must be 1.0).
+
+    The attended set is recomputed with the reference semantics: a key is attended if its page is
+    dense or its bound (page and token) reaches T for some head of the group; exactness means
+    every key with q·k >= T passes the bound check.
+    """
+    from louver_sgl.index.numerics import keep_at_least
+
+    size = cfg.page_size
+    groups = pb.q.shape[1] // pb.k.shape[1]
+    hit = total = 0
+    for b, n in enumerate(pb.seq_lens.tolist()):
+        _, indexed, _ = split_pages(n, cfg)
+        pages = pb.page_table[b, indexed.start:indexed.stop]
+        if len(pages) == 0:
+            continue
+        slots = (pages[:, None] * size + torch.arange(size)).reshape(-1)
+        q = pb.q[b]
+        s = torch.einsum("hd,nhd->hn", q.double(), pb.k[slots].double().repeat_interleave(groups, 1))
+        t = stats.threshold[b]
+        rows = q.view(1, store.num_kv_heads, groups, -1).expand(len(pages), -1, -1, -1).contiguous()
+        bounds = store.page_bounds(rows, pages)
+        tok = store.token_bounds(bounds, pages).reshape(-1, q.shape[0]).t()
+        pbnd = bounds.page_bound.reshape(len(pages), -1).t().repeat_interleave(size, 1)
+        passed = keep_at_least(torch.minimum(tok, pbnd), t[:, None])
+        must = s >= t.double()[:, None]
+        hit += int((must & passed).sum())
+        total += int(must.sum())
+    return 1.0 if total == 0 else hit / total
+
+
+def bytes_read(stats, pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig) -> float:
+    """Bytes a step reads: codebooks of every indexed page, codes of kept pages, candidate keys,
+    values of attended candidates, the dense part's K and V and the sample's K; a request that
+    falls back to dense also reads all of its K and V."""
+    h_kv, dim = store.num_kv_heads, store.head_dim
+    elem = pb.k.element_size()
+    fallback_tokens = int((stats.num_indexed * stats.dense_fallback).sum())
+    per_page = store.nbytes() / store.num_pages
+    codes = store.tensors["codes"]
+    code_bytes_page = codes[0].numel() * codes.element_size() * cfg.page_size
+    pages = int(stats.num_pages.sum())
+    dense_tokens = int((pb.seq_lens - stats.num_indexed).sum())
+    sample = int(torch.clamp(stats.num_indexed, max=cfg.sample_size).sum())
+    total = pages * (per_page - code_bytes_page) + int(stats.pages_read.sum()) * code_bytes_page
+    total += int(stats.union_candidates.sum()) * dim * elem + int(stats.values_read.sum()) * dim * elem
+    total += (dense_tokens + fallback_tokens) * h_kv * 2 * dim * elem + sample * h_kv * dim * elem
+    return float(total)
+
+
+def run_case(pb: PagedBatch, repeats: int, indexes: dict) -> dict:
+    dense = {name: timeit(fn, repeats) for name, fn in dense_variants(pb).items()}
+    best = min(dense, key=dense.get)
+    kv_bytes = int(pb.seq_lens.sum()) * pb.k.shape[1] * 2 * pb.k.shape[2] * pb.k.element_size()
+    result = {"dense_ms": dense, "best_dense": best, "best_dense_ms": dense[best],
+              "dense_bytes": kv_bytes, "louver": []}
+    for index_name, index_kw in indexes.items():
+        for pol_name, pol_kw in POLICIES.items():
+            cfg = LouverConfig(**index_kw, **pol_kw)
+            store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
+            plan = plan_decode(pb.page_table, pb.seq_lens, cfg)
+            start = time.perf_counter()
+            store.build_pages(pb.k, plan.page_ids)
+            build_s = time.perf_counter() - start
+            step = lambda: louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma)
+            ms = timeit(step, repeats)
+            _, stats = step()
+            n_idx = stats.num_indexed.sum().clamp(min=1)
+            result["louver"].append({
+                "index": index_name, "policy": pol_name, "ms": ms, "speedup": dense[best] / ms,
+                "candidate_fraction": float(stats.candidates.sum() / (n_idx * pb.q.shape[1])),
+                "page_survival": float(stats.pages_read.sum() / stats.num_pages.sum().clamp(min=1)),
+                "dense_fallbacks": int(stats.dense_fallback.sum()),
+                "union_candidate_fraction": float(stats.union_candidates.sum() / (n_idx * pb.k.shape[1])),
+                "mass_bound_max": float(stats.mass_bound.max()),
+                "bytes_read": bytes_read(stats, pb, store, cfg),
+                "index_memory_vs_kv": store.bytes_per_token_head() / (2 * pb.k.shape[2] * pb.k.element_size()),
+                "build_us_per_token": 1e6 * build_s / float(n_idx),
+                "recall": recall_of_step(pb, store, cfg, stats),
+            })
+    return result
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({c["batch"] for c in results["cases"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, batch in zip(axes, batches):
+        cases = [c for c in results["cases"] if c["batch"] == batch]
+        lengths = sorted({c["length"] for c in cases})
+        for pol in POLICIES:
+            for idx, style in (("grid-4bit", "-o"), ("clustered-S16-bf4", ":x")):
+                ys = []
+                for n in lengths:
+                    vals = [r["speedup"] for c in cases if c["length"] == n for r in c["louver"]
+                            if r["policy"] == pol and r["index"] == idx]
+                    ys.append(statistics.mean(vals) if vals else float("nan"))
+                ax.plot(lengths, ys, style, label=f"{pol} ({idx})")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_title(f"batch {batch}")
+    axes[0].set_ylabel("speedup vs fastest dense (same run)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"louver decode step on CPU ({results['machine']['cpu']}, {results['machine']['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", nargs="+", default=["data/traces/bible_2048.pt", "data/traces/bible_8192.pt"])
+    parser.add_argument("--layers", type=int, nargs="+", default=[9, 21])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--indexes", nargs="+", default=list(INDEXES), choices=list(INDEXES))
+    parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {"date": str(date.today()), "command": "python -m benchmarks.decode_cpu " + " ".join(
+        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+        "machine": {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version()}, "cases": []}
+    jobs = [(t, layer, b) for t in args.traces for layer in args.layers for b in args.batches]
+    for trace_path, layer, batch in tqdm(jobs, desc="cases"):
+        trace = load_trace(trace_path)
+        pb = paged_batch(trace, layer, batch, 64)
+        case = run_case(pb, args.repeats, {k: INDEXES[k] for k in args.indexes})
+        case.update(trace=trace_path, length=int(trace["meta"]["length"]), layer=layer, batch=batch)
+        results["cases"].append(case)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+    plot(results, Path(args.out).with_suffix(".png"))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    print(f"{'len':>6} {'layer':>5} {'B':>2} {'dense':>12} {'ms':>7} | {'index':18} {'policy':15} {'ms':>7} "
+          f"{'speedup':>7} {'cand':>6} {'pages':>6} {'bytes%':>6} {'fb':>2} {'recall':>6}")
+    for c in results["cases"]:
+        for r in c["louver"]:
+            print(f"{c['length']:6d} {c['layer']:5d} {c['batch']:2d} {c['best_dense']:>12} {c['best_dense_ms']:7.2f} | "
+                  f"{r['index']:18} {r['policy']:15} {r['ms']:7.2f} {r['speedup']:7.2f} {r['candidate_fraction']:6.3f} "
+                  f"{r['page_survival']:6.3f} {100 * r['bytes_read'] / c['dense_bytes']:6.1f} "
+                  f"{r['dense_fallbacks']:2d} {r['recall']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
