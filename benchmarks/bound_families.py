@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.traces import load_trace
+from louver_sgl.data.paged import load_trace
 from louver_sgl import LouverConfig, LouverIndex
 
 SETTINGS = {

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from benchmarks.traces import PagedBatch, load_trace, paged_batch
+from louver_sgl.data.paged import PagedBatch, load_trace, paged_batch
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import louver_decode

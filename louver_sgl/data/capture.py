@@ -44,9 +44,10 @@ CHUNK_SIZE = 1024
 
 
 class AttentionRecorder:
-    """Attention function that delegates to sdpa and, while ``recording``, stores the layer inputs."""
+    """Stores, while ``recording``, the attention inputs and outputs of the chosen layers."""
 
-    def __init__(self, layers: list[int], num_queries: int, kv_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(self, layers: list[int], num_queries: int,
+                 kv_dtype: torch.dtype = torch.float16) -> None:
         self.layers = set(layers)
         self.num_queries = num_queries
         self.kv_dtype = kv_dtype
@@ -54,18 +55,28 @@ class AttentionRecorder:
         self.store: dict[str, dict[int, torch.Tensor]] = {
             "keys": {}, "values": {}, "queries": {}, "outputs": {}}
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """query/key/value: [1, heads, positions, D], key/value being the whole cache;
+        out: [1, positions, H_q, D]."""
+        if not self.recording or layer not in self.layers:
+            return
+        n = self.num_queries
+        self.store["keys"][layer] = key[0].transpose(0, 1).to(self.kv_dtype).contiguous()
+        self.store["values"][layer] = value[0].transpose(0, 1).to(self.kv_dtype).contiguous()
+        self.store["queries"][layer] = query[0, :, -n:].transpose(0, 1).float().contiguous()
+        self.store["outputs"][layer] = out[0, -n:].float().contiguous()
 
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        if self.recording and module.layer_idx in self.layers:
-            n, layer = self.num_queries, module.layer_idx
-            # query/key/value: [1, heads, positions, D]; out: [1, positions, heads, D].
-            self.store["keys"][layer] = key[0].transpose(0, 1).to(self.kv_dtype).contiguous()
-            self.store["values"][layer] = value[0].transpose(0, 1).to(self.kv_dtype).contiguous()
-            self.store["queries"][layer] = query[0, :, -n:].transpose(0, 1).float().contiguous()
-            self.store["outputs"][layer] = out[0, -n:].float().contiguous()
-        return out, weights
+
+def recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa attention that also hands its tensors to ``module.louver_recorder`` when one is set."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    recorder = getattr(module, "louver_recorder", None)
+    if recorder is not None:
+        recorder.record(module.layer_idx, query, key, value, out)
+    return out, weights
 
 
 def rope_for_length(config, length: int) -> dict[str, Any] | None:
@@ -82,7 +93,7 @@ def load_model(model_dir: Path, length: int, recorder: AttentionRecorder):
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(ATTN_NAME, recorder)
+    AttentionInterface.register(ATTN_NAME, recording_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)  # causal masks as for sdpa
     config = AutoConfig.from_pretrained(model_dir)
     rope = rope_for_length(config, length)
@@ -92,6 +103,8 @@ def load_model(model_dir: Path, length: int, recorder: AttentionRecorder):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=torch.float32, attn_implementation=ATTN_NAME).eval()
     check_rope(model, rope)
+    for layer in model.model.layers:
+        layer.self_attn.louver_recorder = recorder
     return model, rope
 
 
@@ -156,9 +169,13 @@ def trace_meta(model, model_dir: Path, text: str, length: int, layers: list[int]
         "head_dim": attn.head_dim, "rope_theta": cfg.rope_parameters["rope_theta"],
         "rope_scaling": rope, "rope_attention_factor": float(model.model.rotary_emb.attention_scaling),
         "softmax_scale": attn.scaling,
-        "dtypes": {"compute": "float32", "keys": str(kv_dtype)[6:], "values": str(kv_dtype)[6:],
+        "dtypes": {"compute": "float32", "keys": _dtype_name(kv_dtype), "values": _dtype_name(kv_dtype),
                    "queries": "float32", "outputs": "float32"},
     }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], num_queries: int,
@@ -187,7 +204,8 @@ def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], nu
     out_path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(trace, out_path.with_suffix(".tmp"))
     out_path.with_suffix(".tmp").replace(out_path)
-    print(f"[capture] wrote {out_path} ({out_path.stat().st_size / 2**20:.1f} MiB) in {meta['seconds']} s; "
+    size = out_path.stat().st_size / 2**20
+    print(f"[capture] wrote {out_path} ({size:.1f} MiB) in {meta['seconds']} s; "
           f"mean NLL of the first / last prefix chunk {nlls[0]:.2f} / {nlls[-2]:.2f}")
     return out_path
 
@@ -198,6 +216,7 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 
 
 def trace_path(out_dir: Path, text: str, length: int) -> Path:
+    """Where the trace of the first ``length`` tokens of ``text`` lives."""
     return Path(out_dir) / f"{text}_{length}.pt"
 
 

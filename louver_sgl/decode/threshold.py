@@ -4,10 +4,11 @@ All mass arithmetic is in fp64 relative to a reference score ``m`` (the largest 
 this step), i.e. a unit with upper bound u and weight w has mass w·exp(σ·(u − m)).
 
 Certified rule (design §4): with Z_lb = Σ exp(σ·(s − m)) over scores computed exactly this step,
-choose T so that Σ over every dropped unit of w·exp(σ·(u − m)) ≤ ε·Z_lb. Since every dropped key has
-exact score ≤ u and Z_lb ≤ the true softmax denominator, the dropped softmax mass is < ε. The
-candidate levels are the fixed edges ``EDGES`` (in units of σ·(T − m)), so the choice is one
-histogram pass plus a cumulative sum, identical in the reference and the fast path.
+choose T so that Σ over every dropped unit of w·exp(σ·(u − m)) ≤ ε·Z_lb, where the units are the
+pages whose bound is below T (weight P) and the tokens below T in the other pages. Since every
+dropped key has exact score ≤ u and Z_lb ≤ the true softmax denominator, the dropped softmax mass
+is < ε. The candidate levels are the fixed edges ``EDGES`` (in units of σ·(T − m)), so the choice
+is one histogram pass plus a cumulative sum; the dropped mass is then recounted exactly.
 """
 
 from __future__ import annotations
@@ -32,35 +33,17 @@ def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Ten
     return sigma * (values.to(torch.float64) - ref.to(torch.float64))
 
 
-def mass_below_edges(
-    x: torch.Tensor, weight: torch.Tensor, seg: torch.Tensor, num_segs: int
-) -> torch.Tensor:
-    """Cumulative mass of units strictly below each edge.
-
-    Args:
-        x: ``[n, H]`` fp64 log-masses (NaN = bound unknown, never counted as below).
-        weight: ``[n, H]`` fp64 unit weights (0 excludes a unit).
-        seg: ``[n]`` int64 segment (request) of each unit.
-
-    Returns ``[num_segs, H, EDGE_COUNT]`` fp64: entry j = Σ over units with x < EDGES[j] of w·e^x.
-    """
-    n, heads = x.shape
-    bins = torch.bucketize(x.nan_to_num(nan=math.inf), EDGES, right=True)  # edges <= x
-    mass = weight * torch.exp(x.clamp(max=700.0)).nan_to_num(nan=0.0)
-    hist = torch.zeros((num_segs, heads, EDGE_COUNT + 1), dtype=torch.float64)
-    flat = (seg[:, None] * heads + torch.arange(heads)) * (EDGE_COUNT + 1) + bins
-    hist.view(-1).index_add_(0, flat.reshape(-1), mass.reshape(-1))
-    return hist.cumsum(-1)[..., :EDGE_COUNT]
+def edge_bins(x: torch.Tensor) -> torch.Tensor:
+    """Number of edges <= x (x fp64 log-mass); NaN maps past the last edge (never below one)."""
+    return torch.bucketize(x.nan_to_num(nan=math.inf), EDGES, right=True)
 
 
-def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
-    """Largest edge index j (>= floor) with mass_below[..., j] <= budget; −1 if none.
+def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Largest edge index j with mass_below[..., j] <= budget; −1 if none.
 
-    mass_below ``[S, H, E]``, budget ``[S, H]``, floor ``[S, H]`` int64 -> ``[S, H]`` int64.
+    mass_below ``[S, H, E]``, budget ``[S, H]`` -> ``[S, H]`` int64.
     """
     ok = mass_below <= budget.unsqueeze(-1)
-    if floor is not None:
-        ok &= torch.arange(EDGE_COUNT) >= floor.unsqueeze(-1)
     idx = torch.where(ok, torch.arange(EDGE_COUNT), torch.full_like(ok, -1, dtype=torch.long))
     return idx.amax(dim=-1)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from .capture import load_trace
+
+__all__ = ["PagedBatch", "load_trace", "paged_batch"]
 
 
 @dataclass
@@ -19,10 +22,6 @@ class PagedBatch:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     sigma: float
-
-
-def load_trace(path: str | Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def paged_batch(trace: dict, layer: int, batch: int, page_size: int, dtype=torch.float16) -> PagedBatch:
