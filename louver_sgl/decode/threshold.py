@@ -35,7 +35,7 @@ def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Ten
 
 def edge_bins(x: torch.Tensor) -> torch.Tensor:
     """Number of edges <= x (x fp64 log-mass); NaN maps past the last edge (never below one)."""
-    return torch.bucketize(x.nan_to_num(nan=math.inf), EDGES, right=True)
+    return torch.bucketize(x.nan_to_num(nan=math.inf).contiguous(), EDGES, right=True)
 
 
 def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
