@@ -52,7 +52,6 @@ def run_filter(
     sigma: float,
     config: LouverConfig,
     with_tokens: bool = True,
-    ops=None,
 ) -> FilterResult:
     """Choose thresholds and filter.
 
@@ -61,8 +60,7 @@ def run_filter(
         page_req: ``[NP]`` request of each page; ref, z_lb: ``[B, H_q]`` reference score (fp32)
             and exact lower bound of the softmax denominator (fp64, relative to ref).
         sample: (padded sample scores ``[B, M, H_q]`` fp32, sample counts ``[B]``).
-        with_tokens: evaluate token bounds here; certified steps always do (T depends on them).
-        ops: compiled CPU ops for the grid token bounds (None: torch).
+        with_tokens: evaluate token bounds here (certified steps always do: T depends on them).
     """
     batch, heads = ref.shape
     size = store.page_size
@@ -72,12 +70,8 @@ def run_filter(
     if t is None and config.policy == "budget":
         t = th.budget_threshold(sample[0], sample[1], config.budget)
     if t is None:  # certified: T depends on every token bound
-        tok = _token_bounds(store, bounds, page_ids, ops).reshape(len(page_ids), size, heads)
-        tok = torch.minimum(tok, pb[:, None, :])
-        x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
-        budget = config.eps * z_lb * th.BUDGET_SAFETY
-        t = th.edge_threshold(th.pick_edge(_certified_mass(x_page, x_tok, page_req, batch), budget), ref, sigma)
-        return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(page_ids)), budget)
+        tok = store.token_bounds(bounds, page_ids).reshape(len(page_ids), size, heads)
+        return certified_filter(pb, tok, page_req, ref, z_lb, sigma, config)
     keep_page = keep_at_least(pb, t[page_req])
     surviving = keep_page.any(dim=1).nonzero()[:, 0]
     if not with_tokens:
@@ -85,10 +79,21 @@ def run_filter(
         skipped = seg_sum((~keep_page).long(), page_req, batch)
         return FilterResult(t, t, keep_page, surviving, None, skipped, page_mass, page_mass)
     sub = PageBounds(bounds.page_bound[surviving], tuple(x[surviving] for x in bounds.terms))
-    tok = _token_bounds(store, sub, page_ids[surviving], ops).reshape(len(surviving), size, heads)
+    tok = store.token_bounds(sub, page_ids[surviving]).reshape(len(surviving), size, heads)
     tok = torch.minimum(tok, pb[surviving][:, None, :])
     x_tok = th.log_mass(tok, ref[page_req[surviving]][:, None, :], sigma)
     return _apply(t, pb, x_page, tok, x_tok, page_req, surviving, None)
+
+
+def certified_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig) -> FilterResult:
+    """Certified T and filter from page bounds ``[NP, H_q]`` and token bounds ``[NP, P, H_q]``."""
+    batch = ref.shape[0]
+    tok = torch.minimum(tok, pb[:, None, :])
+    x_page = th.log_mass(pb, ref[page_req], sigma)
+    x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
+    budget = config.eps * z_lb * th.BUDGET_SAFETY
+    t = th.edge_threshold(th.pick_edge(_certified_mass(x_page, x_tok, page_req, batch), budget), ref, sigma)
+    return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), budget)
 
 
 def _apply(t, pb, x_page, tok, x_tok, page_req, rows, budget) -> FilterResult:
@@ -139,14 +144,3 @@ def _certified_mass(x_page, x_tok, page_req, batch) -> torch.Tensor:
     hist.index_add_(0, (seg[:, None, :] + b_tok).reshape(-1), mass_tok.reshape(-1))
     hist.index_add_(0, (seg[:, None, :] + b_page[:, None, :]).expand_as(b_tok).reshape(-1), -mass_tok.reshape(-1))
     return hist.view(batch, heads, width).cumsum(-1)[..., : th.EDGE_COUNT]
-
-
-def _token_bounds(store: PageIndexStore, bounds: PageBounds, page_ids: torch.Tensor, ops) -> torch.Tensor:
-    """Token bounds ``[n, P, H_kv, G]``; the compiled kernel reads packed codes in one pass."""
-    if ops is None or store.config.family != "grid":
-        return store.token_bounds(bounds, page_ids)
-    weights, offset = (t.contiguous() for t in bounds.terms)
-    out = torch.empty(len(page_ids), store.page_size, *offset.shape[1:])
-    ops.grid_token_bounds(store.tensors["codes"], page_ids.contiguous(), weights, offset,
-                          store.config.grid_bits, store.page_size, out)
-    return out

@@ -1,10 +1,10 @@
 """Decode step with the compiled CPU kernel for the grid family (same contract as the torch path).
 
-Torch does the small per-page work (page bounds, thresholds); one compiled pass per
-(request, KV head, chunk of pages) does token bounds, the GQA-union candidate gate, exact scores
-from candidate keys, the value gate and an online softmax; the chunks' partial softmax states are
-merged with the dense part here. Certified steps first run the compiled token-bound pass to choose
-T (it needs the histogram of all token bounds).
+Torch computes the exact dense part and the threshold; one compiled pass per (request, KV head,
+chunk of pages) does the page bounds, token bounds, the GQA-union candidate gate, exact scores from
+candidate keys, the value gate, an online softmax and the dropped-mass accounting; the chunks'
+partial softmax states are merged with the dense part here. Certified steps first run the compiled
+bound pass over every page to choose T (it needs the histogram of all token bounds).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from ..config import LouverConfig
 from ..index.store import PageIndexStore
 from . import threshold as th
-from .filter import run_filter
+from .filter import certified_filter
 from .plan import DecodePlan
 from .segments import seg_sum
 from .step import StepStats, _dense_for, exact_part, gates_values
@@ -41,47 +41,59 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
     ex = exact_part(q32, k_cache, plan, sigma)
-    rows = q32.view(batch, h_kv, groups, dim)[plan.page_req]
-    bounds = store.page_bounds(rows, plan.page_ids)
-    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample,
-                      sigma, config, with_tokens=False, ops=ops)
-    weights, offset = (t.contiguous() for t in bounds.terms)
-    no_gate = torch.full_like(filt.threshold, float("-inf"))
-    gate = th.gate_threshold(filt.threshold) if gates_values(config) else no_gate
+    t = _threshold(q32, plan, store, ex, sigma, config, ops)
+    no_gate = torch.full_like(t, float("-inf"))
+    gate = th.gate_threshold(t) if gates_values(config) else no_gate
     chunk_req, begin, end = page_chunks(plan, chunk_pages)
     n_chunks = len(chunk_req)
     m = torch.empty(n_chunks, h_kv, groups)
     l = torch.empty_like(m)
     o = torch.empty(n_chunks, h_kv, groups, d_v)
-    counts = torch.empty(n_chunks, h_kv, groups + 2, dtype=torch.long)
+    counts = torch.empty(n_chunks, h_kv, 2 * groups + 3, dtype=torch.long)
     mass = torch.empty(n_chunks, h_kv, groups, 3, dtype=torch.float64)
+    meta = store.tensors
     ops.grid_sparse_attend(
-        q32, k_cache, v_cache, store.tensors["codes"], plan.page_ids, chunk_req, begin, end,
-        weights, offset, filt.keep_page.contiguous(), filt.token_threshold.contiguous(),
-        gate.contiguous(), ex.ref.contiguous(), float(sigma), store.config.grid_bits,
-        store.page_size, m, l, o, counts, mass,
+        q32, k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], plan.page_ids,
+        chunk_req, begin, end, t.contiguous(), gate.contiguous(), ex.ref.contiguous(), float(sigma),
+        store.config.grid_bits, store.page_size, m, l, o, counts, mass,
     )
     result = _merge(ex, m, l, o, chunk_req, v_cache, plan, sigma, batch)
-    masses = seg_sum(mass.view(n_chunks, heads, 3), chunk_req, batch)  # [B, H_q, 3]
-    union = seg_sum(counts[..., groups].sum(1), chunk_req, batch)
+    per_head = lambda x: seg_sum(x.reshape(n_chunks, heads, *x.shape[3:]), chunk_req, batch)
+    masses = per_head(mass)  # [B, H_q, 3]
+    union = seg_sum(counts[..., 2 * groups].sum(1), chunk_req, batch)
     fallback = union > config.dense_fallback_fraction * (plan.num_indexed * h_kv).clamp(min=1)
     result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
     if out is None:
         out = torch.empty((batch, heads, d_v), dtype=q.dtype)
     out.copy_(result)
     z_final = torch.maximum(ex.z_lb, ex.z_dense + masses[..., 2])
-    dropped = filt.page_mass + masses[..., 0] + masses[..., 1]
-    bound = torch.where(fallback[:, None], 0.0, dropped / z_final)
-    attended = seg_sum(counts[..., :groups].reshape(n_chunks, heads), chunk_req, batch)
+    bound = torch.where(fallback[:, None], 0.0, masses[..., :2].sum(-1) / z_final)
+    attended = per_head(counts[..., :groups])
     stats = StepStats(
-        threshold=filt.threshold,
-        candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], attended),
-        pages_skipped=filt.pages_skipped, mass_bound=bound, num_indexed=plan.num_indexed,
-        num_pages=torch.bincount(plan.page_req, minlength=batch), dense_fallback=fallback,
-        values_read=seg_sum(counts[..., groups + 1].sum(1), chunk_req, batch), union_candidates=union,
-        pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
+        threshold=t, candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], attended),
+        pages_skipped=per_head(counts[..., groups: 2 * groups]), mass_bound=bound,
+        num_indexed=plan.num_indexed, num_pages=torch.bincount(plan.page_req, minlength=batch),
+        dense_fallback=fallback, values_read=seg_sum(counts[..., 2 * groups + 1].sum(1), chunk_req, batch),
+        union_candidates=union, pages_read=seg_sum(counts[:, 0, 2 * groups + 2], chunk_req, batch),
     )
     return out, stats
+
+
+def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
+    """T ``[B, H_q]``: from the policy, or for certified steps from compiled page and token bounds."""
+    batch, heads = ex.ref.shape
+    t = th.static_threshold(config, batch, heads)
+    if t is not None:
+        return t
+    if config.policy == "budget":
+        return th.budget_threshold(ex.sample[0], ex.sample[1], config.budget)
+    n, size = len(plan.page_ids), store.page_size
+    tok = torch.empty(n, size, heads)
+    pb = torch.empty(n, heads)
+    meta = store.tensors
+    ops.grid_bounds(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
+                    meta["codes"], store.config.grid_bits, size, tok, pb)
+    return certified_filter(pb, tok, plan.page_req, ex.ref, ex.z_lb, sigma, config).threshold
 
 
 def _merge(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
