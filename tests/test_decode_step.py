@@ -11,6 +11,7 @@ from conftest import make_paged
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
+from louver_sgl.decode.step import gates_values
 
 LENS = [300, 700, 20, 64, 129]
 GQA = [(2, 3), (1, 4), (4, 1)]
@@ -75,13 +76,20 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
     sigma = 1 / math.sqrt(64)
     out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=3)
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     t_ref = torch.stack([i["threshold"] for i in info])
     finite = torch.isfinite(t_ref)
     assert bool((torch.isfinite(stats.threshold) == finite).all())
     torch.testing.assert_close(stats.threshold[finite], t_ref[finite], atol=1e-4, rtol=1e-5)
-    dense_count = torch.stack([i["attended"].sum(1) for i in info]) - stats.candidates
-    assert bool((dense_count == (lens - stats.num_indexed)[:, None]).all())
+    ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
+    if backend == "cpp" and not gates_values(cfg):
+        # int8 token bounds are looser: a superset of the reference's candidates is attended,
+        # and every extra key scores below T (its weight is within the certified bound)
+        assert bool((stats.candidates >= ref_count).all())
+        bound = stats.mass_bound.max().item()
+        torch.testing.assert_close(out, ref, atol=2e-5 + 4 * bound * v.abs().max().item(), rtol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        assert bool((stats.candidates == ref_count).all())
 
 
 @pytest.mark.parametrize("family", ["grid", "clustered"])
@@ -92,7 +100,7 @@ def test_output_equals_dense_restricted_to_candidates(family, policy):
                        fixed_threshold=3.0, sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, h_kv=2, groups=2)
     sigma = 1 / math.sqrt(64)
-    out, _ = louver_decode(q, k, v, table, lens, store, sigma)
+    out, _ = louver_decode(q, k, v, table, lens, store, sigma, backend="torch")
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     attended = [i["attended"] for i in info]
     want = _masked_dense(q, k, v, table, lens, sigma, 16, attended)

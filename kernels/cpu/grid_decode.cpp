@@ -13,15 +13,46 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
+// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512 where it applies).
 template <typename T>
-inline float to_f32(T x) { return static_cast<float>(x); }
+inline void load_f32(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+
+inline void load_f32(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is the top half of fp32
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    dst[i] = f;
+  }
+}
 
 // Unpack one token's packed codes [bytes] into floats [dim].
 inline void unpack_row(const uint8_t* src, int bits, int dim, float* dst) {
@@ -52,18 +83,19 @@ inline float dot(const float* a, const float* b, int n) {
 
 // Query terms of one page and KV head, for its G query heads (see louver_sgl/index/grid.py):
 // token bound = off[g] + Σ_d w[g][d]·code_d; page bound pb[g]; both include the fp32 slack
-// (same formula as numerics.dot_slack with num_terms = 2·D + 2).
-template <typename M>
-void page_terms(const float* qk, const M* lo, const M* sc, const M* rad, int64_t G, int64_t D,
-                int64_t bits, float* w, float* off, float* pb) {
+// (same formula as numerics.dot_slack with num_terms = 2·D + 2). lo/sc/rad are fp32 rows [D].
+inline void page_terms(const float* qk, const float* lo, const float* sc, const float* rad, int64_t G,
+                       int64_t D, int64_t bits, float* w, float* off, float* pb) {
   const float levels = static_cast<float>(1 << bits);
   const float terms = static_cast<float>(2 * D + 2 + 8);
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = qk + g * D;
+    float* wg = w + g * D;
     float o = 0.f, page = 0.f, radius = 0.f, mag = 0.f;
+#pragma omp simd reduction(+ : o, page, radius, mag)
     for (int64_t d = 0; d < D; ++d) {
-      const float l = to_f32(lo[d]), s = to_f32(sc[d]), r = to_f32(rad[d]), q = qg[d];
-      w[g * D + d] = q * s;
+      const float l = lo[d], s = sc[d], r = rad[d], q = qg[d];
+      wg[d] = q * s;
       o += q * (l + 0.5f * s);
       page += std::max(q * (l + 0.5f * s), q * (l + (levels - 0.5f) * s));
       radius += std::fabs(q) * r;
@@ -72,6 +104,119 @@ void page_terms(const float* qk, const M* lo, const M* sc, const M* rad, int64_t
     const float slack = mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
     off[g] = o + radius + slack;
     pb[g] = page + radius + slack;
+  }
+}
+
+// Page codebook rows (lo, scale, radius) of one page and KV head as fp32 [3, D].
+template <typename M>
+inline void load_codebook(const M* lo, const M* sc, const M* rad, int64_t D, float* dst) {
+  load_f32(lo, D, dst);
+  load_f32(sc, D, dst + D);
+  load_f32(rad, D, dst + 2 * D);
+}
+
+// Integer form of one head's token weights: w_d ≈ step·wq_d with wq_d int8, so that
+// Σ_d w_d·c_d <= step·Σ_d wq_d·c_d + err for every code vector c in [0, 2^bits − 1]^D.
+// The integer dot product is exact (|Σ| < 2^24), the fp32 product step·acc is covered by err's
+// relative term, and a NaN/Inf weight makes err NaN (the token is then kept).
+inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* wq, float* step) {
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(w[d]));
+  if (!std::isfinite(top)) {
+    std::fill(wq, wq + D, 0);
+    *step = 0.f;
+    return NAN;
+  }
+  const float s = top > 0.f ? top / 127.f : 1.f;
+  const float inv = 1.f / s;
+  const float levels = static_cast<float>((1 << bits) - 1);
+  float err = 0.f, mag = 0.f;
+#pragma omp simd reduction(+ : err, mag)
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = std::max(-127.f, std::min(127.f, std::nearbyint(w[d] * inv)));
+    wq[d] = static_cast<int8_t>(r);
+    err += std::fabs(w[d] - s * r);
+    mag += std::fabs(s * r);
+  }
+  *step = s;
+  // (1 + 2^-16) and the 2^-20 relative term cover fp32 rounding of err, of s·wq and of step·acc.
+  return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHaveVnni = true;
+
+// Token dot products with AVX-512 VNNI: 64 code bytes × 64 int8 weights per instruction.
+// 4-bit codes are split into low and high nibbles without re-interleaving; ``split_weights``
+// orders the weights to match (per 64 channels: the even channels, then the odd ones).
+inline void dot_token_vnni(const uint8_t* packed, int64_t bits, int64_t D, const int8_t* w,
+                           int64_t G, int32_t* out) {
+  __m512i acc[8];
+  for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    __m512i c;
+    if (bits == 8) {
+      c = _mm512_loadu_si512(packed + blk * 64);
+    } else {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + blk * 32));
+      const __m256i lo = _mm256_and_si256(x, nib);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+      c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    for (int64_t g = 0; g < G; ++g)
+      acc[g] = _mm512_dpbusd_epi32(acc[g], c, _mm512_loadu_si512(w + g * D + blk * 64));
+  }
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_reduce_add_epi32(acc[g]);
+}
+#else
+constexpr bool kHaveVnni = false;
+inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*) {}
+#endif
+
+// Reorder one head's int8 weights [D] into the channel order dot_token_vnni reads codes in.
+inline void split_weights(const int8_t* wq, int64_t bits, int64_t D, int8_t* out) {
+  if (bits != 4) {
+    std::copy(wq, wq + D, out);
+    return;
+  }
+  for (int64_t blk = 0; blk < D / 64; ++blk)
+    for (int64_t j = 0; j < 32; ++j) {
+      out[blk * 64 + j] = wq[blk * 64 + 2 * j];
+      out[blk * 64 + 32 + j] = wq[blk * 64 + 2 * j + 1];
+    }
+}
+
+inline int32_t dot_u8s8(const uint8_t* c, const int8_t* w, int64_t D) {
+  int32_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(c[d]) * static_cast<int32_t>(w[d]);
+  return acc;
+}
+
+// Unpack the codes of P consecutive slots [P, H_kv, bytes] (KV head k) into bytes [P, D].
+inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t bytes, int64_t bits,
+                        int64_t P, int64_t D, uint8_t* dst) {
+  for (int64_t p = 0; p < P; ++p) {
+    const uint8_t* in = src + (p * h_kv + k) * bytes;
+    uint8_t* out = dst + p * D;
+    if (bits == 8) {
+      std::copy(in, in + D, out);
+    } else if (bits == 4) {
+      for (int64_t j = 0; j < D / 2; ++j) {
+        out[2 * j] = in[j] & 0xF;
+        out[2 * j + 1] = in[j] >> 4;
+      }
+    } else {
+      for (int64_t j = 0; j < D / 4; ++j) {
+        const uint8_t b = in[j];
+        out[4 * j] = b & 3;
+        out[4 * j + 1] = (b >> 2) & 3;
+        out[4 * j + 2] = (b >> 4) & 3;
+        out[4 * j + 3] = b >> 6;
+      }
+    }
   }
 }
 
@@ -96,11 +241,12 @@ void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* rp = radius.data_ptr<scalar_t>();
     at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(D), w(G * D), off(G);
+      std::vector<float> row(D), w(G * D), off(G), book(3 * D);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / h_kv, k = task % h_kv, meta = (pid[i] * h_kv + k) * D;
-        page_terms(qp + (preq[i] * h_q + k * G) * D, lp + meta, sp + meta, rp + meta, G, D, bits,
-                   w.data(), off.data(), pbp + (i * h_kv + k) * G);
+        load_codebook(lp + meta, sp + meta, rp + meta, D, book.data());
+        page_terms(qp + (preq[i] * h_q + k * G) * D, book.data(), book.data() + D, book.data() + 2 * D,
+                   G, D, bits, w.data(), off.data(), pbp + (i * h_kv + k) * G);
         for (int64_t p = 0; p < page_size; ++p) {
           const int64_t slot = pid[i] * page_size + p;
           unpack_row(c + (slot * h_kv + k) * bytes, static_cast<int>(bits), static_cast<int>(D), row.data());
@@ -146,8 +292,13 @@ struct ChunkRunner {
   const AttendArgs& a;
   const KV *kc, *vc, *lo, *sc, *rad;
   int64_t b, k, head0;
-  std::vector<float> row, buf, acc, s, w, off, pb;
-  std::vector<char> keep_page, attend;
+  std::vector<float> row, buf, acc, s, w, off, pb, step, u, drop_max, book;
+  std::vector<int8_t> wq, wsplit;
+  std::vector<int32_t> idot;
+  std::vector<uint8_t> page_codes;
+  std::vector<int64_t> drop_count, cand_slot, need_slot;
+  std::vector<float> need_score;
+  std::vector<char> keep_page, attend_mask;
   std::vector<HeadState> st;
   int64_t n_union = 0, n_values = 0, n_pages_read = 0;
 
@@ -156,14 +307,19 @@ struct ChunkRunner {
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
         head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups), row(args.dim),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), s(args.groups),
-        w(args.groups * args.dim), off(args.groups), pb(args.groups), keep_page(args.groups),
-        attend(args.groups), st(args.groups) {}
+        w(args.groups * args.dim), off(args.groups), pb(args.groups), step(args.groups),
+        u(args.page_size * args.groups), drop_max(args.groups), wq(args.groups * args.dim),
+        wsplit(args.groups * args.dim), idot(args.groups), book(3 * args.dim),
+        page_codes(args.page_size * args.dim), drop_count(args.groups), cand_slot(args.page_size),
+        need_slot(args.page_size), need_score(args.page_size * args.groups), keep_page(args.groups),
+        attend_mask(args.page_size * args.groups), st(args.groups) {}
 
   // Page bounds of page row i; false if every head of the group skips the page.
   bool open_page(int64_t i) {
     const int64_t G = a.groups, meta = (a.page_ids[i] * a.h_kv + k) * a.dim;
-    page_terms(a.q + head0 * a.dim, lo + meta, sc + meta, rad + meta, G, a.dim, a.bits, w.data(),
-               off.data(), pb.data());
+    load_codebook(lo + meta, sc + meta, rad + meta, a.dim, book.data());
+    page_terms(a.q + head0 * a.dim, book.data(), book.data() + a.dim, book.data() + 2 * a.dim, G,
+               a.dim, a.bits, w.data(), off.data(), pb.data());
     bool any = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
@@ -176,26 +332,72 @@ struct ChunkRunner {
     return any;
   }
 
-  // Token gate of one slot; true if some head of the group keeps it.
-  bool token_candidate(int64_t slot) {
-    unpack_row(a.codes + (slot * a.h_kv + k) * a.bytes, static_cast<int>(a.bits), a.dim, row.data());
-    bool cand = false;
-    for (int64_t g = 0; g < a.groups; ++g) {
-      if (!keep_page[g]) continue;
-      const float u = off[g] + dot(row.data(), w.data() + g * a.dim, a.dim);
-      const bool keep = !(u < a.t[head0 + g]);
-      if (!keep) st[g].mass[0] += rel_mass(a.sigma, u, a.ref[head0 + g]);
-      cand |= keep;
+  // Token bounds of the open page (int8 weights against byte codes), then the candidate gate.
+  // Dropped tokens are accounted per head by count and largest bound: n·e^{σ(max u − ref)}
+  // bounds their mass with one exp per page. Candidates are gathered first and their K (then V)
+  // rows prefetched, so the random row reads overlap instead of stalling one by one.
+  void scan_page(int64_t i) {
+    const int64_t G = a.groups, D = a.dim, P = a.page_size;
+    for (int64_t g = 0; g < G; ++g) {
+      if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
+      drop_count[g] = 0;
+      drop_max[g] = -INFINITY;
     }
-    return cand;
+    const int64_t first = a.page_ids[i] * P;
+    const bool vnni = kHaveVnni && D % 64 == 0 && (a.bits == 4 || a.bits == 8) && G <= 8;
+    if (vnni) {
+      for (int64_t g = 0; g < G; ++g) split_weights(wq.data() + g * D, a.bits, D, wsplit.data() + g * D);
+    } else {
+      unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
+    }
+    int64_t n_cand = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      if (vnni) {
+        dot_token_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, a.bits, D, wsplit.data(), G, idot.data());
+      } else {
+        for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
+      }
+      bool cand = false;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!keep_page[g]) continue;
+        const float ub = off[g] + step[g] * static_cast<float>(idot[g]);
+        if (ub < a.t[head0 + g]) {
+          ++drop_count[g];
+          drop_max[g] = std::max(drop_max[g], ub);
+        } else {
+          cand = true;  // NaN keeps
+        }
+      }
+      if (cand) {
+        cand_slot[n_cand++] = first + p;
+        prefetch_row(kc + ((first + p) * a.h_kv + k) * D, D);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
+    int64_t n_need = 0;
+    for (int64_t c = 0; c < n_cand; ++c)
+      if (score_slot(cand_slot[c], attend_mask.data() + n_need * G)) {
+        need_slot[n_need] = cand_slot[c];
+        std::copy(s.begin(), s.end(), need_score.begin() + n_need * G);
+        prefetch_row(vc + (cand_slot[c] * a.h_kv + k) * a.dim_v, a.dim_v);
+        ++n_need;
+      }
+    for (int64_t c = 0; c < n_need; ++c)
+      accumulate_slot(need_slot[c], need_score.data() + c * G, attend_mask.data() + c * G);
   }
 
-  // Exact scores from the candidate's key, value gate, then V and the online softmax.
-  void attend_slot(int64_t slot) {
-    const int64_t G = a.groups, D = a.dim, DV = a.dim_v;
+  static void prefetch_row(const KV* row, int64_t n) {
+    const char* p = reinterpret_cast<const char*>(row);
+    for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
+
+  // Exact scores s[G] of one candidate from its key, mass accounting and value gate (flags into
+  // attend[G]). Returns whether some head needs the candidate's V.
+  bool score_slot(int64_t slot, char* attend) {
+    const int64_t G = a.groups, D = a.dim;
     ++n_union;
-    const KV* kr = kc + (slot * a.h_kv + k) * D;
-    for (int64_t d = 0; d < D; ++d) buf[d] = to_f32(kr[d]);
+    load_f32(kc + (slot * a.h_kv + k) * D, D, buf.data());
     bool need_v = false;
     for (int64_t g = 0; g < G; ++g) {
       s[g] = dot(buf.data(), a.q + (head0 + g) * D, D);
@@ -205,15 +407,19 @@ struct ChunkRunner {
       if (!attend[g]) st[g].mass[1] += e;
       need_v |= attend[g];
     }
-    if (!need_v) return;
+    return need_v;
+  }
+
+  // Online softmax update with the candidate's V for the heads that attend it.
+  void accumulate_slot(int64_t slot, const float* score, const char* attend) {
+    const int64_t G = a.groups, DV = a.dim_v;
     ++n_values;
-    const KV* vr = vc + (slot * a.h_kv + k) * DV;
-    for (int64_t d = 0; d < DV; ++d) buf[d] = to_f32(vr[d]);
+    load_f32(vc + (slot * a.h_kv + k) * DV, DV, buf.data());
     for (int64_t g = 0; g < G; ++g) {
       if (!attend[g]) continue;
       HeadState& h = st[g];
       ++h.attended;
-      const float x = a.sigma * s[g];
+      const float x = a.sigma * score[g];
       float* ag = acc.data() + g * DV;
       if (x > h.m) {  // rescale the running sum to the new maximum
         const float scale = std::exp(h.m - x);
@@ -232,10 +438,7 @@ struct ChunkRunner {
     for (int64_t i = a.chunk_begin[chunk]; i < a.chunk_end[chunk]; ++i) {
       if (!open_page(i)) continue;
       ++n_pages_read;
-      for (int64_t p = 0; p < a.page_size; ++p) {
-        const int64_t slot = a.page_ids[i] * a.page_size + p;
-        if (token_candidate(slot)) attend_slot(slot);
-      }
+      scan_page(i);
     }
   }
 

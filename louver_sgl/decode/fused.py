@@ -41,7 +41,7 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
     ex = exact_part(q32, k_cache, plan, sigma)
-    t = _threshold(q32, plan, store, ex, sigma, config, ops)
+    t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
     no_gate = torch.full_like(t, float("-inf"))
     gate = th.gate_threshold(t) if gates_values(config) else no_gate
     chunk_req, begin, end = page_chunks(plan, chunk_pages)
@@ -67,7 +67,9 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
         out = torch.empty((batch, heads, d_v), dtype=q.dtype)
     out.copy_(result)
     z_final = torch.maximum(ex.z_lb, ex.z_dense + masses[..., 2])
-    bound = torch.where(fallback[:, None], 0.0, masses[..., :2].sum(-1) / z_final)
+    if index_dropped is None:  # the kernel's accounting (one exp per page: a looser upper bound)
+        index_dropped = masses[..., 0]
+    bound = torch.where(fallback[:, None], 0.0, (index_dropped + masses[..., 1]) / z_final)
     attended = per_head(counts[..., :groups])
     stats = StepStats(
         threshold=t, candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], attended),
@@ -80,20 +82,25 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
 
 
 def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
-    """T ``[B, H_q]``: from the policy, or for certified steps from compiled page and token bounds."""
+    """T ``[B, H_q]`` and, for certified steps, the exact index-dropped mass at T (else None).
+
+    Certified T comes from the compiled fp32 page and token bounds; the attend kernel's int8
+    token bounds are looser, so it keeps a superset and the certificate still holds.
+    """
     batch, heads = ex.ref.shape
     t = th.static_threshold(config, batch, heads)
     if t is not None:
-        return t
+        return t, None
     if config.policy == "budget":
-        return th.budget_threshold(ex.sample[0], ex.sample[1], config.budget)
+        return th.budget_threshold(ex.sample[0], ex.sample[1], config.budget), None
     n, size = len(plan.page_ids), store.page_size
     tok = torch.empty(n, size, heads)
     pb = torch.empty(n, heads)
     meta = store.tensors
     ops.grid_bounds(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
                     meta["codes"], store.config.grid_bits, size, tok, pb)
-    return certified_filter(pb, tok, plan.page_req, ex.ref, ex.z_lb, sigma, config).threshold
+    filt = certified_filter(pb, tok, plan.page_req, ex.ref, ex.z_lb, sigma, config)
+    return filt.threshold, filt.dropped
 
 
 def _merge(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
