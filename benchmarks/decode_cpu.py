@@ -39,6 +39,7 @@ POLICIES = {
     "budget-0.1": {"policy": "budget", "budget": 0.1},
 }
 INDEXES = {
+    "grid-8bit": {"family": "grid", "grid_bits": 8},
     "grid-4bit": {"family": "grid", "grid_bits": 4},
     "clustered-S16-bf4": {"family": "clustered", "n_subspaces": 16, "cluster_size": 4},
 }
@@ -183,7 +184,7 @@ def plot(results: dict, path: Path) -> None:
         cases = [c for c in results["cases"] if c["batch"] == batch]
         lengths = sorted({c["length"] for c in cases})
         for pol in POLICIES:
-            for idx, style in (("grid-4bit", "-o"), ("clustered-S16-bf4", ":x")):
+            for idx, style in (("grid-8bit", "-o"), ("grid-4bit", "--s"), ("clustered-S16-bf4", ":x")):
                 ys = []
                 for n in lengths:
                     vals = [r["speedup"] for c in cases if c["length"] == n for r in c["louver"]

@@ -47,7 +47,7 @@ class LouverConfig:
 
     page_size: int = 64
     family: str = "grid"
-    grid_bits: int = 4
+    grid_bits: int = 8
     n_subspaces: int = 16
     cluster_size: int = 4
     clustering: str = "kd"

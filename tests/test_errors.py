@@ -80,6 +80,6 @@ def test_decode_input_errors():
     with pytest.raises(ValueError, match="seq_lens"):
         louver_decode(torch.randn(1, 4, 64), k, k, table, torch.tensor([65]), store, 0.1)
     with pytest.raises(ValueError, match="index layout"):
-        louver_decode(torch.randn(1, 4, 64), k, k, table, lens, store, 0.1, config=cfg.with_(grid_bits=8))
+        louver_decode(torch.randn(1, 4, 64), k, k, table, lens, store, 0.1, config=cfg.with_(grid_bits=4))
     with pytest.raises(ValueError, match="KV dtype"):
         PageIndexStore(cfg, 4, 2, 64, torch.float64)

@@ -56,7 +56,7 @@ def louver_decode(
     config: LouverConfig | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
-    chunk_pages: int = 32,
+    chunk_pages: int = 64,
 ) -> tuple[torch.Tensor, StepStats]:
     """One decode step for a batch of requests.
 
