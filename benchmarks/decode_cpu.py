@@ -172,35 +172,39 @@ def run_case(pb: PagedBatch, repeats: int, indexes: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Speedup vs context length, one panel per batch size: a color per policy, a line style per
+    index; each point is the mean over the measured layers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     batches = sorted({c["batch"] for c in results["cases"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), sharey=True, squeeze=False)
-    axes = axes[0]
-    for ax, batch in zip(axes, batches):
+    indexes = list(dict.fromkeys(r["index"] for c in results["cases"] for r in c["louver"]))
+    styles = dict(zip(indexes, ("-o", "--s", ":x")))
+    colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), sharey=True, squeeze=False)
+    for ax, batch in zip(axes[0], batches):
         cases = [c for c in results["cases"] if c["batch"] == batch]
         lengths = sorted({c["length"] for c in cases})
         for pol in POLICIES:
-            for idx, style in (("grid-8bit", "-o"), ("grid-4bit", "--s"), ("clustered-S16-bf4", ":x")):
-                ys = []
-                for n in lengths:
-                    vals = [r["speedup"] for c in cases if c["length"] == n for r in c["louver"]
-                            if r["policy"] == pol and r["index"] == idx]
-                    ys.append(statistics.mean(vals) if vals else float("nan"))
-                ax.plot(lengths, ys, style, label=f"{pol} ({idx})")
+            for idx in indexes:
+                ys = [statistics.mean([r["speedup"] for c in cases if c["length"] == n for r in c["louver"]
+                                       if r["policy"] == pol and r["index"] == idx] or [float("nan")])
+                      for n in lengths]
+                ax.plot(lengths, ys, styles[idx], color=colors[pol], label=f"{pol} ({idx})", lw=1.2, ms=4)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context tokens")
         ax.set_title(f"batch {batch}")
-    axes[0].set_ylabel("speedup vs fastest dense (same run)")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(f"louver decode step on CPU ({results['machine']['cpu']}, {results['machine']['threads']} threads)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("speedup vs fastest dense path (same run)")
+    axes[0][-1].legend(fontsize=6.5, ncol=1, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"louver decode step on CPU: SmolLM2-135M traces ({results['machine']['cpu']}, "
+                 f"{results['machine']['threads']} threads, {results['date']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def main() -> None:
@@ -211,7 +215,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--indexes", nargs="+", default=list(INDEXES), choices=list(INDEXES))
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw plot and table from --out")
     args = parser.parse_args()
+    if args.plot_only:
+        results = json.loads(Path(args.out).read_text())
+        plot(results, Path(args.out).with_suffix(".png"))
+        print_table(results)
+        return
     torch.manual_seed(0)
     results = {"date": str(date.today()), "command": "python -m benchmarks.decode_cpu " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
