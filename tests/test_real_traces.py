@@ -50,7 +50,11 @@ def test_range_search_exact_on_real_traces(trace, config):
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("eps", [1e-2, 1e-3])
 def test_certified_bound_on_real_traces(trace, backend, eps):
-    """Measured dropped mass <= certified bound < eps on real attention, every layer."""
+    """Measured dropped mass <= certified bound < eps on real attention, every layer.
+
+    The reference's attended set is a subset of the compiled path's (int8 bounds keep a superset),
+    so its dropped mass bounds what either path drops.
+    """
     config = LouverConfig(eps=eps)
     for layer in trace["keys"]:
         pb = paged_batch(trace, layer, 2, config.page_size)
@@ -60,6 +64,8 @@ def test_certified_bound_on_real_traces(trace, backend, eps):
         assert bool((stats.mass_bound < eps).all())
         _, info = reference_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma)
         for b in range(2):
+            if stats.dense_fallback[b]:  # attended every key: nothing dropped
+                continue
             n = int(pb.seq_lens[b])
             pos = torch.arange(n)
             slots = pb.page_table[b, pos // 64] * 64 + pos % 64
