@@ -1,0 +1,1 @@
+"""SGLang integration of louver: plugin entry point, backend, options, telemetry."""

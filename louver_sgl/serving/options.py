@@ -1,0 +1,98 @@
+"""Backend options from a JSON file and ``LOUVER_*`` environment variables.
+
+SGLang has no plugin CLI flags, and environment variables reach every scheduler subprocess, so
+options come from (lowest to highest priority): the defaults, the JSON file named by
+``LOUVER_CONFIG``, then one ``LOUVER_<OPTION>`` variable per option (``LOUVER_EPS=1e-3``,
+``LOUVER_POLICY=budget``, ...). Every ``LouverConfig`` field is an option, plus the serving
+options of ``ServingOptions``. Invalid values fail at startup with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config import LouverConfig
+
+ENV_PREFIX = "LOUVER_"
+CONFIG_FILE_ENV = "LOUVER_CONFIG"
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Options of the SGLang backend that are not index or threshold settings.
+
+    chunk_pages: pages per split of the compiled CPU kernel.
+    log_interval: decode steps between telemetry log lines (0: SGLang's decode-log interval).
+    """
+
+    chunk_pages: int = 64
+    log_interval: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be a positive int, got {self.chunk_pages!r}")
+        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
+            raise ValueError(f"log_interval must be a non-negative int, got {self.log_interval!r}")
+
+
+def load_options(environ: Mapping[str, str] | None = None) -> tuple[LouverConfig, ServingOptions]:
+    """Resolve the backend options; raises ``ValueError`` naming the bad option or file."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = environ.get(CONFIG_FILE_ENV)
+    if path:
+        values.update(_read_json(Path(path)))
+    for cls in (LouverConfig, ServingOptions):
+        for field in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                values[field.name] = _parse(field.name, raw, field.default)
+    config_keys = {f.name for f in dataclasses.fields(LouverConfig)}
+    serving_keys = {f.name for f in dataclasses.fields(ServingOptions)}
+    unknown = sorted(set(values) - config_keys - serving_keys)
+    if unknown:
+        raise ValueError(f"unknown louver options {unknown}; known: {sorted(config_keys | serving_keys)}")
+    config = LouverConfig(**{k: v for k, v in values.items() if k in config_keys})
+    serving = ServingOptions(**{k: v for k, v in values.items() if k in serving_keys})
+    return config, serving
+
+
+def option_table() -> list[tuple[str, str, Any]]:
+    """(environment variable, option, default) for every option, for docs and --help text."""
+    rows = []
+    for cls in (LouverConfig, ServingOptions):
+        for field in dataclasses.fields(cls):
+            rows.append((ENV_PREFIX + field.name.upper(), field.name, field.default))
+    return rows
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{CONFIG_FILE_ENV}={path}: cannot read a JSON object ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{CONFIG_FILE_ENV}={path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _parse(name: str, raw: str, default: Any) -> Any:
+    env = ENV_PREFIX + name.upper()
+    try:
+        if isinstance(default, bool):
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError("expected a boolean (1/0/true/false)")
+            return lowered in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ValueError(f"{env}={raw!r}: {exc}") from exc
