@@ -103,6 +103,7 @@ class LouverAttnBackend(TorchNativeAttnBackend):
             self._build(layer.layer_id, self._completed_extend_pages(forward_batch))
             if layer.layer_id == self._first_layer():
                 self._count_extend(forward_batch)
+                self.telemetry.dump()
         return out
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):

@@ -7,8 +7,11 @@ Counters accumulate over every layer of every forward; the log line is written e
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 logger = logging.getLogger("louver_sgl.serving")
 
@@ -55,6 +58,18 @@ class Telemetry:
         self.decode_forwards += 1
         if self.interval and self.decode_forwards % self.interval == 0:
             self._flush()
+        self.dump()
+
+    def dump(self) -> None:
+        """Write the running totals to ``$LOUVER_STATS_FILE`` (for tests and benchmarks; off by default)."""
+        path = os.environ.get("LOUVER_STATS_FILE")
+        if not path:
+            return
+        totals = {"decode_forwards": self.decode_forwards, "pages_built": self.pages_built,
+                  "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read}
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(totals))
+        tmp.replace(path)
 
     def snapshot(self) -> dict[str, float]:
         w = self.window
