@@ -1,0 +1,59 @@
+"""Start a local SGLang HTTP server in a subprocess, wait until it serves, query it, stop it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def sglang_server(model: str | Path, backend: str, port: int, env: dict[str, str] | None = None,
+                  extra: list[str] | None = None, timeout: float = 300.0, log_path: Path | None = None):
+    """Yield the base URL of ``python -m sglang.launch_server`` on 127.0.0.1:``port`` (CPU)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
+           "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
+           "--max-total-tokens", "40000", "--skip-server-warmup", *(extra or [])]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, timeout)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if log_path:
+            log.close()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} during startup")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s")
+
+
+def generate(url: str, text: str, max_new_tokens: int = 24, timeout: float = 600.0) -> dict:
+    """Greedy ``/generate`` request; returns the JSON response (``text``, ``output_ids``, ``meta_info``)."""
+    body = json.dumps({"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}})
+    req = urllib.request.Request(url + "/generate", data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
