@@ -1,0 +1,75 @@
+"""The backend's sparse decode equals masked dense attention on the same candidate sets.
+
+A decode batch runs through ``LouverAttnBackend`` inside SGLang's attention kit (real pools,
+shuffled page layout, prefix K/V written outside the backend so pages are built on first read).
+Every louver step the backend takes is recorded and replayed through the plain-torch reference
+(masked dense attention over its candidate set); every key scoring at least T must be attended.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import pytest
+import torch
+
+from louver_sgl.decode.reference import reference_decode
+from louver_sgl.serving import backend as backend_module
+from louver_sgl.serving.plugin import register
+
+register()
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit  # noqa: E402
+
+
+class _Case(unittest.TestCase):
+    __test__ = False
+
+    def runTest(self) -> None:  # pragma: no cover
+        pass
+
+
+@pytest.mark.parametrize("policy,extra", [("budget", {"LOUVER_BUDGET": "0.2"}), ("certified", {"LOUVER_EPS": "1e-2"}),
+                                          ("fixed", {"LOUVER_FIXED_THRESHOLD": "0.5"})])
+def test_backend_decode_matches_reference(policy, extra, monkeypatch):
+    # no dense fallback: the compiled path's candidate superset may cross the fallback fraction
+    # where the reference's does not, and this test compares candidate sets
+    env = {"LOUVER_POLICY": policy, "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
+           "LOUVER_DENSE_FALLBACK_FRACTION": "1.0", **extra}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    calls = []
+
+    def recording(*args, **kwargs):
+        out, stats = real(*args, **kwargs)
+        calls.append((args, kwargs, out.clone(), stats))
+        return out, stats
+
+    real = backend_module.louver_decode
+    monkeypatch.setattr(backend_module, "louver_decode", recording)
+    case = kit.DenseAttentionCase(name="sparse_decode", backend="louver", forward_mode=ForwardMode.DECODE,
+                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(100, 250, 37))
+    with torch.no_grad():
+        fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
+                                                    max_context_len=512)
+        kit.run_dense_fixture_eager(fixture)
+    assert calls, "the backend did not run the louver decode step"
+    for args, kwargs, out, stats in calls:
+        q, k_cache, v_cache, page_table, seq_lens, store, sigma, config = args
+        want, info = reference_decode(q, k_cache, v_cache, page_table, seq_lens, store, sigma, config)
+        # certified steps attend every candidate and the compiled int8 bounds may add a few (each
+        # below T, inside the certified mass bound); gated policies attend identical sets
+        slack = 4 * float(stats.mass_bound.max()) * float(v_cache.abs().max()) if policy == "certified" else 0.0
+        torch.testing.assert_close(out.float(), want, atol=2e-5 + slack, rtol=1e-5)
+        _assert_exact_recall(q, k_cache, page_table, seq_lens, stats.threshold, info, config.page_size)
+
+
+def _assert_exact_recall(q, k_cache, page_table, seq_lens, threshold, info, size):
+    groups = q.shape[1] // k_cache.shape[1]
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = page_table[b, pos // size] * size + pos % size
+        scores = torch.einsum("hd,lhd->hl", q[b].double(), k_cache[slots].double().repeat_interleave(groups, 1))
+        must = scores >= threshold[b].double()[:, None]
+        assert not bool((must & ~info[b]["attended"]).any()), "a key scoring >= T was not attended"
