@@ -47,13 +47,18 @@ def bench_serving(url: str, model: Path, workload: list[str], out: Path) -> dict
 
 
 def one_batch(model: Path, backend: str, input_len: int, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "sglang.benchmark.one_batch", "--model-path", str(model), "--device", "cpu",
+    """``sglang.benchmark.one_batch`` (through benchmarks.one_batch_plugins): prefill and median
+    decode throughput of one request, from its last (measured, post-warm-up) run."""
+    cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--batch-size", "1", "--input-len", str(input_len),
            "--output-len", "16", "--max-total-tokens", "20000"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**_env(), **env})
     text = proc.stdout + proc.stderr
-    found = {k: re.findall(rf"{k}[^\n]*?([0-9.]+) token/s", text) for k in ("Prefill", "Decode")}
-    return {"prefill_tok_s": _last(found["Prefill"]), "decode_tok_s": _last(found["Decode"]), "returncode": proc.returncode}
+    prefill = re.findall(r"Prefill\. latency: ([0-9.]+) s, throughput: +([0-9.]+) token/s", text)
+    decode = re.findall(r"Decode\. +median latency: ([0-9.]+) s, median throughput: +([0-9.]+) token/s", text)
+    return {"prefill_s": _last([p[0] for p in prefill]), "prefill_tok_s": _last([p[1] for p in prefill]),
+            "decode_median_s": _last([d[0] for d in decode]), "decode_tok_s": _last([d[1] for d in decode]),
+            "returncode": proc.returncode}
 
 
 def _last(values: list[str]):
@@ -85,8 +90,16 @@ def run_backend(model: Path, backend: str, tmp: Path, port: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
+    parser.add_argument("--one-batch-only", action="store_true", help="rerun one_batch into an existing --out")
     args = parser.parse_args()
     model = ensure_model()
+    if args.one_batch_only:
+        results = json.loads(Path(args.out).read_text())
+        for backend in ("torch_native", "louver"):
+            results[backend]["one_batch"] = {str(n): one_batch(model, backend, n, {}) for n in (2048, 7800)}
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        print(json.dumps({b: results[b]["one_batch"] for b in ("torch_native", "louver")}, indent=1))
+        return
     results = {"date": str(date.today()), "cpu": cpu_model_name(), "model": "SmolLM2-135M-Instruct (Q4_1 dequantized)",
                "command": "python -m benchmarks.serving_cpu", "workloads": WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
