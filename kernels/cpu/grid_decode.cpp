@@ -496,7 +496,90 @@ void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   });
 }
 
+// ----- certified threshold: histogram over the fixed levels, and the exact recount ----------------
+// Levels (louver_sgl/decode/threshold.py): edge j = kEdgeLow + kEdgeStep·j, j < kEdgeCount, in units
+// of σ·(T − ref). A unit's bin is the number of edges <= its x = σ·(bound − ref) (NaN: past the end).
+constexpr double kEdgeLow = -48.0, kEdgeStep = 0.25;
+constexpr int64_t kEdgeCount = 257;
+
+inline int64_t edge_bin(double x) {
+  if (std::isnan(x)) return kEdgeCount;
+  if (x < kEdgeLow) return 0;
+  const double j = std::floor((x - kEdgeLow) / kEdgeStep);
+  return j >= kEdgeCount - 1 ? kEdgeCount : static_cast<int64_t>(j) + 1;
+}
+
+// Upper bound of e^x: glibc's expf is within 1 ulp, so scaling by (1 + 2^-21) rounds up.
+inline double exp_up(double x) {
+  if (x > 80.0) return std::exp(std::min(x, 700.0)) * (1.0 + 1e-12);
+  return static_cast<double>(std::exp(static_cast<float>(x))) * (1.0 + 4.76837158203125e-07);
+}
+
+// hist [B, H_q, kEdgeCount + 2] f64 (zeroed by the caller): pages add P·e^{x_page} at their bin,
+// tokens e^{x_tok} over [bin_tok, bin_page) as a +/- pair (see filter._certified_mass).
+// tok [NP, P, H_q], pb [NP, H_q] f32; page_req [NP] i64; ref [B, H_q] f32.
+void certified_hist(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref,
+                    double sigma, torch::Tensor hist) {
+  const int64_t n = tok.size(0), P = tok.size(1), H = tok.size(2), W = kEdgeCount + 2;
+  const float* tp = tok.data_ptr<float>();
+  const float* pp = pb.data_ptr<float>();
+  const int64_t* req = page_req.data_ptr<int64_t>();
+  const float* rp = ref.data_ptr<float>();
+  double* hp = hist.data_ptr<double>();
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const double r = rp[req[i] * H + h];
+        const float page = pp[i * H + h];
+        const double xp = sigma * (double(page) - r);
+        const int64_t bp = edge_bin(xp);
+        double* row = hp + (req[i] * H + h) * W;
+        if (!std::isnan(xp)) row[bp] += double(P) * exp_up(xp);
+        for (int64_t p = 0; p < P; ++p) {
+          const float u = std::min(tp[(i * P + p) * H + h], page);  // NaN page keeps NaN
+          const double xu = sigma * (double(u) - r);
+          const int64_t bu = edge_bin(xu);
+          if (bu >= bp) continue;
+          const double e = exp_up(xu);
+          row[bu] += e;
+          row[bp] -= e;
+        }
+      }
+  });
+}
+
+// Mass dropped at thresholds t [B, H_q]: pages with pb < t (P·e^{x}), and in the other pages the
+// tokens with min(tok, pb) < t (e^{x}); NaN bounds are kept. -> out [B, H_q] f64 (zeroed by caller).
+void certified_dropped(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref,
+                       torch::Tensor t, double sigma, torch::Tensor out) {
+  const int64_t n = tok.size(0), P = tok.size(1), H = tok.size(2);
+  const float* tp = tok.data_ptr<float>();
+  const float* pp = pb.data_ptr<float>();
+  const int64_t* req = page_req.data_ptr<int64_t>();
+  const float* rp = ref.data_ptr<float>();
+  const float* thr = t.data_ptr<float>();
+  double* op = out.data_ptr<double>();
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t rh = req[i] * H + h;
+        const float page = pp[i * H + h];
+        const double r = rp[rh];
+        if (page < thr[rh]) {
+          op[rh] += double(P) * exp_up(sigma * (double(page) - r));
+          continue;
+        }
+        for (int64_t p = 0; p < P; ++p) {
+          const float u = std::min(tp[(i * P + p) * H + h], page);
+          if (u < thr[rh]) op[rh] += exp_up(sigma * (double(u) - r));
+        }
+      }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grid_bounds", &grid_bounds, "Louver grid page and token upper bounds (CPU)");
   m.def("grid_sparse_attend", &grid_sparse_attend, "Louver grid filter + sparse attention (CPU)");
+  m.def("certified_hist", &certified_hist, "Louver certified-threshold histogram (CPU)");
+  m.def("certified_dropped", &certified_dropped, "Louver certified dropped-mass recount (CPU)");
 }

@@ -14,7 +14,6 @@ import torch
 from ..config import LouverConfig
 from ..index.store import PageIndexStore
 from . import threshold as th
-from .filter import certified_filter
 from .plan import DecodePlan
 from .segments import seg_sum
 from .step import StepStats, _dense_for, exact_part, gates_values
@@ -99,8 +98,24 @@ def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: 
     meta = store.tensors
     ops.grid_bounds(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
                     meta["codes"], store.config.grid_bits, size, tok, pb)
-    filt = certified_filter(pb, tok, plan.page_req, ex.ref, ex.z_lb, sigma, config)
-    return filt.threshold, filt.dropped
+    return _certified(ops, tok, pb, plan, ex, sigma, config)
+
+
+def _certified(ops, tok, pb, plan: DecodePlan, ex, sigma: float, config: LouverConfig):
+    """Compiled version of ``filter.certified_filter``'s choice of T and its exact recount.
+
+    A head whose recount does not fit the budget keeps everything (T = −inf), as in the torch path.
+    """
+    batch, heads = ex.ref.shape
+    hist = torch.zeros(batch, heads, th.EDGE_COUNT + 2, dtype=torch.float64)
+    ops.certified_hist(tok, pb, plan.page_req, ex.ref.contiguous(), float(sigma), hist)
+    budget = config.eps * ex.z_lb * th.BUDGET_SAFETY
+    t = th.edge_threshold(th.pick_edge(hist.cumsum(-1)[..., : th.EDGE_COUNT], budget), ex.ref, sigma)
+    dropped = torch.zeros(batch, heads, dtype=torch.float64)
+    ops.certified_dropped(tok, pb, plan.page_req, ex.ref.contiguous(), t.contiguous(), float(sigma), dropped)
+    bad = dropped > budget
+    t = torch.where(bad, torch.full_like(t, float("-inf")), t)
+    return t, torch.where(bad, torch.zeros_like(dropped), dropped)
 
 
 def _merge(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
