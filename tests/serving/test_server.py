@@ -1,6 +1,7 @@
 """HTTP server end to end on CPU (``python -m sglang.launch_server``), louver vs dense.
 
-* tiny random Llama: louver ``dense`` policy gives the same greedy tokens as ``torch_native``;
+* tiny random Llama: louver ``dense`` policy gives the same greedy tokens as ``torch_native``, and
+  its telemetry reaches the log and, with ``--enable-metrics``, the Prometheus endpoint;
 * SmolLM2-135M with certified eps = 1e-3 answers needle-in-a-haystack questions over Paul Graham
   essays at 2K and ~7.5K tokens, needle at several depths, the same way the dense backend does;
 * concurrent requests sharing a long prefix all complete.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import urllib.request
 
 import pytest
 
@@ -30,11 +32,16 @@ def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(1)
     prompts = [" ".join(str(rng.randrange(vocab)) for _ in range(n)) for n in (40, 150, 300)]
-    outputs = {}
-    for backend, env in (("torch_native", {}), ("louver", {"LOUVER_POLICY": "dense"})):
-        with sglang_server(model, backend, 31871, env, log_path=tmp_path / f"{backend}.log") as url:
+    outputs, metrics = {}, ""
+    runs = (("torch_native", {}, []), ("louver", {"LOUVER_POLICY": "dense", "LOUVER_LOG_INTERVAL": "1"}, ["--enable-metrics"]))
+    for backend, env, extra in runs:
+        with sglang_server(model, backend, 31871, env, extra, log_path=tmp_path / f"{backend}.log") as url:
             outputs[backend] = [generate(url, p, max_new_tokens=16)["output_ids"] for p in prompts]
+            if backend == "louver":
+                metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     assert outputs["louver"] == outputs["torch_native"]
+    assert "sglang:louver_candidate_fraction" in metrics and "sglang:louver_index_pages_built" in metrics
+    assert "louver: candidates" in (tmp_path / "louver.log").read_text()  # the telemetry log line
 
 
 @pytest.fixture(scope="module")
