@@ -118,6 +118,8 @@ class LouverAttnBackend(TorchNativeAttnBackend):
             self._invalidate(layer.layer_id, forward_batch.out_cache_loc)
             full = forward_batch.seq_lens % self.page_size == 0
             self._build(layer.layer_id, forward_batch.out_cache_loc[full].long() // self.page_size)
+            if layer.layer_id == self._first_layer():
+                self.telemetry.pages_built += int(full.sum())
         page_table, seq_lens = self._page_table(forward_batch)
         self._build_unbuilt(layer.layer_id, page_table, seq_lens)
         _, stats = louver_decode(

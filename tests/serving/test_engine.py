@@ -32,6 +32,8 @@ def _prompts(vocab: int) -> dict[str, list[list[int]]]:
 
 
 def _serve(model: str, backend: str, prompts: dict, env: dict[str, str]) -> dict[str, list]:
+    """Serve the prompt groups in order, one request at a time; with ``LOUVER_STATS_FILE`` set,
+    the index counters after each request are in ``out["stats"][group]``."""
     import sglang as sgl
 
     saved = {k: os.environ.get(k) for k in env}
@@ -41,10 +43,16 @@ def _serve(model: str, backend: str, prompts: dict, env: dict[str, str]) -> dict
                             max_total_tokens=640, disable_overlap_schedule=True, log_level="warning")
         try:
             params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-            out = {}
+            out, stats = {}, {}
+            stats_file = env.get("LOUVER_STATS_FILE")
             for group, ids in prompts.items():
                 # one request at a time: the second shared-prefix request must see the first cached
-                out[group] = [engine.generate(input_ids=p, sampling_params=params) for p in ids]
+                out[group], stats[group] = [], []
+                for p in ids:
+                    out[group].append(engine.generate(input_ids=p, sampling_params=params))
+                    if stats_file:
+                        stats[group].append(json.loads(open(stats_file).read()))
+            out["stats"] = stats
             return out
         finally:
             engine.shutdown()
@@ -72,6 +80,7 @@ def runs(tmp_path_factory):
                        {**common, "LOUVER_POLICY": "certified", "SGLANG_RADIX_FORCE_MISS": "1"}),
     }
     results["stats"] = json.loads(stats.read_text())
+    results["prompts"] = prompts
     return results
 
 
@@ -100,7 +109,13 @@ def test_radix_hit_reuses_index_and_matches_cold_run(runs):
     """The second shared-prefix request hits the radix cache, reads the first request's index
     pages (counted as reused, not rebuilt) and decodes exactly like a forced-miss cold run."""
     warm = runs["certified"]["shared"][1]
-    assert warm["meta_info"]["cached_tokens"] >= 192
-    assert runs["stats"]["pages_reused"] >= 192 // PAGE
+    cached = warm["meta_info"]["cached_tokens"]
+    assert cached >= 192
+    before, after = runs["certified"]["stats"]["shared"]
+    prompt_len = len(runs["prompts"]["shared"][1])
+    # only pages past the cached prefix are built (prefill pages, then pages filled while decoding)
+    new_pages = (prompt_len + NEW_TOKENS - 1) // PAGE - cached // PAGE
+    assert after["pages_built"] - before["pages_built"] == new_pages
+    assert after["pages_reused"] - before["pages_reused"] == cached // PAGE
     assert _ids([warm]) == _ids(runs["cold"]["shared"])
     assert runs["cold"]["shared"][0]["meta_info"]["cached_tokens"] == 0
