@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import socket
 import urllib.request
 
 import pytest
@@ -24,6 +25,12 @@ from louver_sgl.eval.server import generate, sglang_server
 
 pytestmark = pytest.mark.slow
 LENGTHS = (2048, 7500)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 DEPTHS = (0.1, 0.5, 0.9)
 
 
@@ -35,7 +42,7 @@ def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
     outputs, metrics = {}, ""
     runs = (("torch_native", {}, []), ("louver", {"LOUVER_POLICY": "dense", "LOUVER_LOG_INTERVAL": "1"}, ["--enable-metrics"]))
     for backend, env, extra in runs:
-        with sglang_server(model, backend, 31871, env, extra, log_path=tmp_path / f"{backend}.log") as url:
+        with sglang_server(model, backend, _free_port(), env, extra, log_path=tmp_path / f"{backend}.log") as url:
             outputs[backend] = [generate(url, p, max_new_tokens=16)["output_ids"] for p in prompts]
             if backend == "louver":
                 metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
@@ -57,7 +64,7 @@ def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
     model = ensure_model()
     answers = {}
     for backend, env in (("torch_native", {}), ("louver", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"})):
-        with sglang_server(model, backend, 31872, env, log_path=tmp_path / f"{backend}.log") as url:
+        with sglang_server(model, backend, _free_port(), env, log_path=tmp_path / f"{backend}.log") as url:
             answers[backend] = [generate(url, p.text)["text"] for p in niah_prompts]
             if backend == "louver":
                 _concurrent_shared_prefix(url, niah_prompts[0].text)
