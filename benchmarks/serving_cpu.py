@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def one_batch(model: Path, backend: str, input_len: int, env: dict[str, str]) ->
     cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--batch-size", "1", "--input-len", str(input_len),
            "--output-len", "16", "--max-total-tokens", "20000"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**_env(), **env})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
     text = proc.stdout + proc.stderr
     prefill = re.findall(r"Prefill\. latency: ([0-9.]+) s, throughput: +([0-9.]+) token/s", text)
     decode = re.findall(r"Decode\. +median latency: ([0-9.]+) s, median throughput: +([0-9.]+) token/s", text)
@@ -63,12 +64,6 @@ def one_batch(model: Path, backend: str, input_len: int, env: dict[str, str]) ->
 
 def _last(values: list[str]):
     return float(values[-1]) if values else None
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 def run_backend(model: Path, backend: str, tmp: Path, port: int) -> dict:

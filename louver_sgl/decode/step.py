@@ -155,7 +155,7 @@ class _Candidates:
     kv_head: torch.Tensor  # [Nc] int64
     req: torch.Tensor  # [Nc] int64
     scores: torch.Tensor  # [Nc, G] fp32 exact scores of the group's query heads
-    own: torch.Tensor  # [Nc, G] bool: kept by this head's own bound
+    seg: torch.Tensor  # [Nc, G] int64 flat (request, query head) index of each score
 
 
 def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) -> _Candidates:
@@ -171,7 +171,8 @@ def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) ->
     keys = k_cache[slots, kv_head].to(torch.float32)  # [Nc, D]  keys of candidates only
     q_rows = q32.view(batch, h_kv, groups, dim)[req, kv_head]  # [Nc, G, D]
     scores = torch.einsum("nd,ngd->ng", keys, q_rows)
-    return _Candidates(slots, kv_head, req, scores, keep[page_row, offset, kv_head])
+    seg = req[:, None] * heads + kv_head[:, None] * groups + torch.arange(groups)
+    return _Candidates(slots, kv_head, req, scores, seg)
 
 
 @dataclass
@@ -189,9 +190,7 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     bound is the index bound alone.
     """
     heads = ref.shape[1]
-    groups = cand.scores.shape[1]
-    head = cand.kv_head[:, None] * groups + torch.arange(groups)
-    flat = cand.req[:, None] * heads + head  # [Nc, G] segment of (request, head)
+    flat = cand.seg
     x = th.log_mass(cand.scores, ref.view(-1)[flat], sigma)
     mass = torch.exp(x.clamp(max=700.0))
     z_cand = torch.zeros(batch * heads, dtype=torch.float64).index_add_(0, flat.reshape(-1), mass.reshape(-1))
@@ -217,8 +216,7 @@ def _attend(q32, s_dense, cand: _Candidates, gate: _Gate, v_cache, plan, sigma, 
     h_kv, d_v = v_cache.shape[1], v_cache.shape[2]
     groups = heads // h_kv
     seg_d = plan.dense_req[:, None] * heads + torch.arange(heads)  # [ND, H_q]
-    head_c = cand.kv_head[:, None] * groups + torch.arange(groups)
-    seg_c = cand.req[:, None] * heads + head_c  # [Nc, G]
+    seg_c = cand.seg
     s_cand = torch.where(gate.attend, cand.scores, float("-inf"))
     m = torch.full((batch * heads,), float("-inf"))
     m.scatter_reduce_(0, seg_d.reshape(-1), s_dense.reshape(-1), reduce="amax")
@@ -283,10 +281,8 @@ def _pad_sample(s_sample: torch.Tensor, plan: DecodePlan, batch: int) -> tuple[t
 
 def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, batch) -> StepStats:
     heads = filt.threshold.shape[1]
-    groups = cand.scores.shape[1] if cand.scores.dim() == 2 else 1
-    head = cand.kv_head[:, None] * groups + torch.arange(groups)
-    flat = (cand.req[:, None] * heads + head).reshape(-1)
-    own = torch.zeros(batch * heads, dtype=torch.long).index_add_(0, flat, gate.attend.long().reshape(-1))
+    own = torch.zeros(batch * heads, dtype=torch.long).index_add_(
+        0, cand.seg.reshape(-1), gate.attend.long().reshape(-1))
     values = torch.bincount(cand.req[gate.attend.any(1)], minlength=batch)
     return StepStats(
         threshold=filt.threshold, pages_skipped=filt.pages_skipped,
