@@ -44,18 +44,18 @@ def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
     mass_below ``[S, H, E]``, budget ``[S, H]`` -> ``[S, H]`` int64.
     """
     ok = mass_below <= budget.unsqueeze(-1)
-    idx = torch.where(ok, torch.arange(EDGE_COUNT), torch.full_like(ok, -1, dtype=torch.long))
+    idx = torch.where(ok, torch.arange(EDGE_COUNT, device=ok.device), -1)
     return idx.amax(dim=-1)
 
 
 def edge_threshold(edge_idx: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
     """fp32 threshold ``[S, H]`` for edge indices (−1 -> −inf), placed just under the edge."""
-    edge = EDGES[edge_idx.clamp(min=0)]
+    edge = EDGE_LOW + EDGE_STEP * edge_idx.clamp(min=0).to(torch.float64)  # = EDGES[idx], exactly
     t = ref.to(torch.float64) + (edge - EDGE_MARGIN) / sigma
     t32 = t.to(torch.float32)
-    t32 = torch.where(t32.to(torch.float64) > t, torch.nextafter(t32, torch.tensor(-math.inf)), t32)
-    t32 = torch.where(edge_idx < 0, torch.tensor(-math.inf), t32)
-    return torch.where(torch.isfinite(ref), t32, torch.tensor(-math.inf))
+    t32 = torch.where(t32.to(torch.float64) > t, torch.nextafter(t32, torch.full_like(t32, -math.inf)), t32)
+    t32 = torch.where(edge_idx < 0, -math.inf, t32)
+    return torch.where(torch.isfinite(ref), t32, -math.inf)
 
 
 def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -66,12 +66,12 @@ def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fr
     """
     b, m, h = sample_scores.shape
     if m == 0:
-        return torch.full((b, h), -math.inf)
+        return torch.full((b, h), -math.inf, device=sample_scores.device)
     k = (sample_count.to(torch.float64) * fraction).floor().clamp(min=1).long()
     ranked = sample_scores.sort(dim=1, descending=True).values
     pick = (k - 1).clamp(max=m - 1)[:, None, None].expand(b, 1, h)
     t = torch.gather(ranked, 1, pick)[:, 0]
-    return torch.where(sample_count[:, None] > 0, t, torch.tensor(-math.inf))
+    return torch.where(sample_count[:, None] > 0, t, -math.inf)
 
 
 def gate_threshold(t: torch.Tensor) -> torch.Tensor:

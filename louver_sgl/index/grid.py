@@ -20,14 +20,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``codes`` [..., D] uint8 (< 2**bits) into [..., D * bits // 8] uint8, low bits first."""
     per_byte = 8 // bits
     grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
     return (grouped << shifts).sum(-1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_codes``: [..., B] uint8 -> [..., B * 8 // bits] uint8."""
     per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
     mask = (1 << bits) - 1
     codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & mask
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)

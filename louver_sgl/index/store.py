@@ -67,13 +67,21 @@ class PageIndexStore:
         return self.nbytes() / (self.num_pages * self.page_size * self.num_kv_heads)
 
     def build_pages(self, k_cache: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Build the index of every page in ``page_ids`` from its stored keys.
+        """Build the index of every page in ``page_ids`` from its stored keys (on CUDA, the grid
+        family is built by one Triton launch).
 
         Args:
             k_cache: ``[num_slots, H_kv, D]`` key buffer (slot = page_id * P + offset).
             page_ids: ``[n]`` int64 ids of full pages.
         """
         if page_ids.numel() == 0:
+            return
+        if self.config.family == "grid" and k_cache.is_cuda:
+            from louver_kernels.triton.grid_build import grid_build
+
+            t = self.tensors
+            grid_build(k_cache, page_ids, t["lo"], t["scale"], t["radius"], t["codes"], self.page_size,
+                       self.config.grid_bits)
             return
         size = self.page_size
         slots = (page_ids.long()[:, None] * size + torch.arange(size, device=page_ids.device))

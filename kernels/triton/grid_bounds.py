@@ -1,0 +1,116 @@
+"""Device functions shared by the GPU decode kernels: request layout, page codebook terms and
+sound token upper bounds of the grid family (specification: ``louver_sgl.index.grid``).
+
+Token bounds use integer arithmetic on the tensor cores: per page and query head the fp32 weights
+w_d = q_d·scale_d are written as step·wq_d with wq_d an integer in [−127, 127]; codes (< 2^bits)
+and wq are exact in fp16, their products (< 2^15) and every partial sum (< 2^24 for D <= 128)
+are exact in the fp32 accumulator, so Σ_d code_d·wq_d is computed exactly. Then
+    Σ_d w_d·code_d <= step·Σ_d wq_d·code_d + (2^bits − 1)·Σ_d |w_d − step·wq_d| (+ rounding terms),
+the same form as the compiled CPU kernel. A non-finite weight makes the error term NaN: keep.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 2·(n + 8)·u for the fp32 sums of ``louver_sgl.index.numerics.dot_slack``.
+FP32_U = tl.constexpr(5.9604644775390625e-08)
+
+
+@triton.jit
+def request_layout(seq_len, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """(pages, first indexed page, end of indexed pages) of a request with ``seq_len`` tokens.
+
+    Pages [0, first) are sink pages, [first, end) indexed, [end, pages) recent pages and the tail.
+    """
+    full = seq_len // P
+    sink = tl.minimum(full, SINK)
+    recent = tl.minimum(full - sink, RECENT)
+    pages = (seq_len + P - 1) // P
+    return pages, sink, full - recent
+
+
+@triton.jit
+def page_terms(q, lo, sc, rad, D: tl.constexpr, BITS: tl.constexpr):
+    """Query terms of one page. q ``[BG, D]`` fp32; lo, sc, rad ``[D]`` fp32.
+
+    Returns (weights ``[BG, D]``, offset ``[BG]``, page_bound ``[BG]``); offset and page bound
+    include the fp32 slack of ``dot_slack``.
+    """
+    levels: tl.constexpr = 1 << BITS
+    qa = tl.abs(q)
+    radius_term = tl.sum(qa * rad[None, :], 1)
+    w = q * sc[None, :]
+    c_min = lo + 0.5 * sc
+    c_max = lo + (levels - 0.5) * sc
+    offset = tl.sum(q * c_min[None, :], 1) + radius_term
+    pb = tl.sum(tl.maximum(q * c_min[None, :], q * c_max[None, :]), 1) + radius_term
+    magnitude = tl.sum(qa * (tl.abs(lo) + levels * tl.abs(sc) + rad)[None, :], 1)
+    terms: tl.constexpr = 2 * D + 2 + 8
+    slack = magnitude * (2.0 * terms * FP32_U) + terms * 7.346839692639297e-40
+    return w, offset + slack, pb + slack
+
+
+@triton.jit
+def quantize_weights(w, BITS: tl.constexpr):
+    """Integer form of token weights. w ``[BG, D]`` fp32 -> (wq ``[BG, D]`` fp16 integers,
+    step ``[BG]``, err ``[BG]``) with Σ_d w_d·c_d <= step·Σ_d wq_d·c_d + err for codes c."""
+    top = tl.max(tl.abs(w), 1)
+    step = tl.where(top > 0, top / 127.0, 1.0)
+    r = tl.floor(w / step[:, None] + 0.5)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    r = tl.where(r == r, r, 0.0)
+    sw = step[:, None] * r
+    err = tl.sum(tl.abs(w - sw), 1)
+    mag = tl.sum(tl.abs(sw), 1)
+    levels: tl.constexpr = (1 << BITS) - 1
+    # (1 + 2^-16) and the 2^-20 relative term cover fp32 rounding of err, of step·wq and step·acc.
+    err = levels * (err * (1.0 + 1.52587890625e-05) + mag * 9.5367431640625e-07) + 1.1754943508222875e-38
+    err = tl.where(top < float("inf"), err, float("nan"))
+    return r.to(tl.float16), step, err
+
+
+@triton.jit
+def load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D: tl.constexpr, BITS: tl.constexpr):
+    """Unpacked codes ``[P, D]`` fp16 of token rows ``slots`` ``[P]`` (int64) and KV head h."""
+    per_byte: tl.constexpr = 8 // BITS
+    dim = tl.arange(0, D)
+    byte = tl.load(codes_ptr + slots[:, None] * stride_cs + h * stride_ch + (dim // per_byte)[None, :])
+    mask: tl.constexpr = (1 << BITS) - 1
+    return ((byte.to(tl.int32) >> ((dim % per_byte) * BITS)[None, :]) & mask).to(tl.float16)
+
+
+@triton.jit
+def token_bounds(codes, wq, step, err, offset):
+    """Token upper bounds ``[P, BG]`` fp32 from codes ``[P, D]`` fp16 and ``quantize_weights``."""
+    acc = tl.dot(codes, tl.trans(wq), out_dtype=tl.float32)  # exact integers
+    return offset[None, :] + step[None, :] * acc + err[None, :]
+
+
+@triton.jit
+def load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q,
+                    D: tl.constexpr, BITS: tl.constexpr):
+    """``page_terms`` of page ``page`` (int64) and KV head h from the stored codebooks."""
+    dim = tl.arange(0, D)
+    meta = page * stride_ms + h * stride_mh + dim
+    lo = tl.load(lo_ptr + meta).to(tl.float32)
+    sc = tl.load(sc_ptr + meta).to(tl.float32)
+    rad = tl.load(rad_ptr + meta).to(tl.float32)
+    return page_terms(q, lo, sc, rad, D, BITS)
+
+
+@triton.jit
+def exact_scores(keys, q, QHI_DTYPE: tl.constexpr):
+    """Scores ``[T, BG]`` fp32 of keys ``[T, D]`` (KV dtype) against q ``[BG, D]`` fp32.
+
+    fp16/bf16 keys: q is split into a high and a low part in the key dtype, so both tensor-core
+    products are exact and the result carries fp32-level error; fp32 keys use an fp32 dot.
+    """
+    if QHI_DTYPE == tl.float32:
+        return tl.dot(keys, tl.trans(q), input_precision="ieee")
+    else:
+        q_hi = q.to(QHI_DTYPE)
+        q_lo = (q - q_hi.to(tl.float32)).to(QHI_DTYPE)
+        s = tl.dot(keys, tl.trans(q_hi), out_dtype=tl.float32)
+        return tl.dot(keys, tl.trans(q_lo), acc=s, out_dtype=tl.float32)
