@@ -1,0 +1,134 @@
+"""Needle-in-a-haystack through the SGLang server: dense (torch_native) vs louver policies.
+
+A grid of context lengths x needle depths over the Paul Graham essays (single needle), plus
+RULER-style multi-key and multi-value prompts, sent greedily to one ``sglang.launch_server`` per
+configuration (CPU). Ground truth scores every answer; the dense server's answers are the
+reference louver is compared with. One cache cell per (configuration, prompt); a server is only
+started for a configuration with missing cells, so an interrupted run resumes where it stopped.
+Prompts go longest first, needle deepest first, so the radix cache shares haystack prefixes.
+
+    python -m benchmarks.eval_niah --out benchmarks/results/eval_niah.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+from pathlib import Path
+
+from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR, ensure_model
+from louver_sgl.data.texts import load_text
+from louver_sgl.eval.cache import DEFAULT_CACHE, cached_cell, machine_info, write_json
+from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
+                                  found, found_all)
+from louver_sgl.eval.server import generate, sglang_server
+
+DENSE = "torch_native"
+CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05", "certified-1e-4", "budget-0.2"]
+FULL = {"lengths": [1024, 2048, 4096, 7680], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "multi_lengths": [2048, 7680],
+        "configs": CONFIGS}
+SMALL = {"lengths": [512], "depths": [0.5], "multi_lengths": [512], "configs": [DENSE, "certified-1e-2"]}
+MAX_NEW = {"single": 16, "multikey": 16, "multivalue": 40}
+
+
+def server_setup(config: str) -> tuple[str, dict[str, str]]:
+    """(attention backend, LOUVER_* environment) of a configuration name."""
+    if config == DENSE:
+        return DENSE, {}
+    kind, _, value = config.partition("-")
+    if kind == "certified":
+        return "louver", {"LOUVER_POLICY": "certified", "LOUVER_EPS": value}
+    if kind == "budget":
+        return "louver", {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": value}
+    raise ValueError(f"unknown configuration {config!r}: {DENSE}, certified-<eps> or budget-<f>")
+
+
+def build_grid(tokenizer, grid: dict) -> dict[str, tuple[str, NeedlePrompt]]:
+    """``{prompt id: (kind, prompt)}`` in the order to send them (radix-cache friendly)."""
+    haystack = load_text("paul_graham")
+    prompts = {}
+    for n in sorted(grid["lengths"], reverse=True):
+        for d in sorted(grid["depths"], reverse=True):
+            prompts[f"single-{n}-{d:g}"] = ("single", build_prompt(tokenizer, haystack, n, d))
+    for n in sorted(grid["multi_lengths"], reverse=True):
+        prompts[f"multikey-{n}"] = ("multikey", build_multikey_prompt(tokenizer, haystack, n))
+        prompts[f"multivalue-{n}"] = ("multivalue", build_multivalue_prompt(tokenizer, haystack, n))
+    return prompts
+
+
+def ask(url: str, kind: str, prompt: NeedlePrompt) -> dict:
+    """One greedy request, scored against the ground truth."""
+    start = time.perf_counter()
+    response = generate(url, prompt.text, max_new_tokens=MAX_NEW[kind])
+    text = response["text"]
+    score = found_all(prompt.answer, text) if kind == "multivalue" else float(found(prompt.answer, text))
+    return {"kind": kind, "length": prompt.tokens, "depth": prompt.depth, "answer": prompt.answer,
+            "response": text, "score": score, "prompt_tokens": response["meta_info"]["prompt_tokens"],
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_config(config: str, prompts: dict, model: Path, cache_dir: Path) -> dict[str, dict]:
+    """Cells of one configuration; starts a server only if some are missing."""
+    paths = {pid: cache_dir / config / f"{pid}.json" for pid in prompts}
+    if all(p.exists() for p in paths.values()):
+        return {pid: cached_cell(p, dict) for pid, p in paths.items()}
+    from tqdm import tqdm
+
+    backend, env = server_setup(config)
+    (cache_dir / config).mkdir(parents=True, exist_ok=True)
+    with sglang_server(model, backend, _free_port(), env, log_path=cache_dir / config / "server.log") as url:
+        return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))
+                for pid, (kind, prompt) in tqdm(prompts.items(), desc=config)}
+
+
+def compare(cells: dict[str, dict[str, dict]]) -> dict:
+    """Per configuration: mean score per kind, and agreement with the dense server's answers."""
+    dense = cells.get(DENSE, {})
+    out = {}
+    for config, rows in cells.items():
+        kinds = {}
+        for kind in dict.fromkeys(r["kind"] for r in rows.values()):
+            scores = [r["score"] for r in rows.values() if r["kind"] == kind]
+            kinds[kind] = {"prompts": len(scores), "mean_score": sum(scores) / len(scores)}
+        shared = [pid for pid in rows if pid in dense]
+        out[config] = {"kinds": kinds, "prompts": len(rows),
+                       "same_score_as_dense": sum(rows[p]["score"] == dense[p]["score"] for p in shared),
+                       "same_text_as_dense": sum(rows[p]["response"] == dense[p]["response"] for p in shared),
+                       "compared_with_dense": len(shared)}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=MODEL_DIR)
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "niah")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eval_niah.json"))
+    parser.add_argument("--small", action="store_true", help="CI size: one 512-token cell per kind, two servers")
+    parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    grid = SMALL if args.small else FULL
+    model = ensure_model(args.model)
+    prompts = build_grid(AutoTokenizer.from_pretrained(model), grid)
+    cells = {}
+    for config in args.configs or grid["configs"]:
+        cells[config] = run_config(config, prompts, model, args.cache)
+    done = {c for c in grid["configs"] if all((args.cache / c / f"{p}.json").exists() for p in prompts)}
+    result = {"command": "python -m benchmarks.eval_niah" + (" --small" if args.small else ""),
+              "machine": machine_info(), "grid": grid, "complete_configs": sorted(done),
+              "missing_configs": [c for c in grid["configs"] if c not in done],
+              "summary": compare(cells), "cells": cells}
+    write_json(args.out, result)
+    print(f"[niah] {sum(len(v) for v in cells.values())} cells -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
