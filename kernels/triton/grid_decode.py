@@ -121,7 +121,7 @@ def _certified_hist_kernel(
     q_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr, ref_ptr, hist_ptr, habs_ptr,
     stride_qb, stride_qh, stride_tb, stride_ms, stride_mh, stride_cs, stride_ch, sigma,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BITS: tl.constexpr,
-    SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -167,7 +167,7 @@ def _attend_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
     stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT: tl.constexpr,
+    BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT,
     QHI: tl.constexpr, PV: tl.constexpr, KEEP_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
