@@ -21,7 +21,7 @@ import torch
 
 from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR
 from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import DEFAULT_CACHE, cached_cell, machine_info, write_json
+from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.exactness import ExactnessObserver
 from louver_sgl.eval.hf_decode import DecodeRunner, greedy_generate, load_eval_model
 from louver_sgl.eval.policies import make_policy, text_window_ids
@@ -60,7 +60,10 @@ def run_prompt(spec: PromptSpec, model, tokenizer, runner: DecodeRunner, cache_d
     runner.policy, runner.observer = make_policy(spec.policy), observer
     ids = text_window_ids(tokenizer, load_text(spec.text), spec.offset, spec.length)
     start = time.perf_counter()
-    tokens = greedy_generate(model, ids, runner, spec.new_tokens)
+    from tqdm import tqdm
+
+    with tqdm(total=spec.new_tokens, desc=spec.name, unit="token", leave=False) as bar:
+        tokens = greedy_generate(model, ids, runner, spec.new_tokens, on_token=lambda _: bar.update())
     np.savez_compressed(cache_dir / f"{spec.name}.npz", **observer.arrays())
     return {"prompt": spec.__dict__, "layers": observer.summary(), "seconds": round(time.perf_counter() - start, 1),
             "generated": tokenizer.decode(tokens)[:200]}
@@ -70,13 +73,17 @@ def aggregate(cells: list[dict], arrays: list[dict[str, np.ndarray]]) -> dict:
     """Totals over every prompt, per layer and per policy, plus the bound/measured distribution."""
     per_layer: dict[str, dict] = {}
     per_policy: dict[str, dict] = {}
+    policy_layer: dict[str, dict[str, dict]] = {}
     total: dict = {}
     for cell in cells:
+        policy = cell["prompt"]["policy"]
         for layer, t in cell["layers"].items():
-            for acc in (per_layer.setdefault(layer, {}), per_policy.setdefault(cell["prompt"]["policy"], {}), total):
+            for acc in (per_layer.setdefault(layer, {}), per_policy.setdefault(policy, {}), total,
+                        policy_layer.setdefault(policy, {}).setdefault(layer, {})):
                 _add(acc, t)
     return {"total": _finish(total), "per_layer": {k: _finish(v) for k, v in per_layer.items()},
             "per_policy": {k: _finish(v) for k, v in per_policy.items()},
+            "per_policy_layer": {p: {k: _finish(v) for k, v in rows.items()} for p, rows in policy_layer.items()},
             "mass": mass_distribution(cells, arrays)}
 
 
@@ -123,12 +130,11 @@ def _quantiles(x: np.ndarray, qs: list[float]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, "exactness", "CI size: two short prompts")
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "exactness")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eval_exactness.json"))
-    parser.add_argument("--small", action="store_true", help="CI size: two short prompts")
     parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many new prompts")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     prompts = small_prompts() if args.small else full_prompts()
@@ -143,7 +149,7 @@ def main() -> None:
         fresh += not path.exists()
         cells.append(cached_cell(path, lambda s=spec: run_prompt(s, model, tokenizer, runner, args.cache)))
     arrays = [dict(np.load(args.cache / f"{PromptSpec(**c['prompt']).name}.npz")) for c in cells]
-    result = {"command": "python -m benchmarks.eval_exactness" + (" --small" if args.small else ""),
+    result = {"command": command_line("eval_exactness", args.small),
               "machine": machine_info(), "complete": len(cells) == len(prompts),
               "prompts": [c["prompt"] for c in cells], "seconds": sum(c["seconds"] for c in cells),
               **aggregate(cells, arrays)}

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 import numpy as np
 
 from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR
 from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import DEFAULT_CACHE, cached_cell, machine_info, write_json
+from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.hf_decode import DecodeRunner, load_eval_model, prefill
 from louver_sgl.eval.kl import dense_logits, kl_summary, policy_logits
 from louver_sgl.eval.policies import make_policy, text_window_ids
@@ -58,11 +60,10 @@ def summarise(rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, "kl", "CI size: one short window, three policies")
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "kl")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eval_kl.json"))
-    parser.add_argument("--small", action="store_true", help="CI size: one short window, three policies")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     grid = SMALL if args.small else FULL
@@ -71,7 +72,7 @@ def main() -> None:
     rows = []
     for offset in tqdm(grid["offsets"], desc="kl windows"):
         rows += run_window(model, tokenizer, runner, offset, grid, args.cache)
-    result = {"command": "python -m benchmarks.eval_kl" + (" --small" if args.small else ""),
+    result = {"command": command_line("eval_kl", args.small),
               "machine": machine_info(), "grid": grid, "policies": summarise(rows), "rows": rows}
     write_json(args.out, result)
     print(f"[kl] {len(rows)} (window, policy) cells -> {args.out}")

@@ -13,13 +13,14 @@ Prompts go longest first, needle deepest first, so the radix cache shares haysta
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import time
 from pathlib import Path
 
 from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR, ensure_model
 from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import DEFAULT_CACHE, cached_cell, machine_info, write_json
+from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
                                   found, found_all)
 from louver_sgl.eval.server import generate, sglang_server
@@ -82,6 +83,12 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path) -> dict
                 for pid, (kind, prompt) in tqdm(prompts.items(), desc=config)}
 
 
+def cached_cells(config: str, prompts: dict, cache_dir: Path) -> dict[str, dict]:
+    """The finished cells of a configuration that is not run now."""
+    paths = {pid: cache_dir / config / f"{pid}.json" for pid in prompts}
+    return {pid: json.loads(p.read_text()) for pid, p in paths.items() if p.exists()}
+
+
 def compare(cells: dict[str, dict[str, dict]]) -> dict:
     """Per configuration: mean score per kind, and agreement with the dense server's answers."""
     dense = cells.get(DENSE, {})
@@ -107,22 +114,26 @@ def _free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, "niah", "CI size: one 512-token cell per kind, two servers", threads=False)
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "niah")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eval_niah.json"))
-    parser.add_argument("--small", action="store_true", help="CI size: one 512-token cell per kind, two servers")
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     grid = SMALL if args.small else FULL
+    unknown = sorted(set(args.configs or []) - set(grid["configs"]))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {grid['configs']}")
     model = ensure_model(args.model)
     prompts = build_grid(AutoTokenizer.from_pretrained(model), grid)
     cells = {}
-    for config in args.configs or grid["configs"]:
-        cells[config] = run_config(config, prompts, model, args.cache)
+    for config in grid["configs"]:
+        if args.configs is None or config in args.configs:
+            cells[config] = run_config(config, prompts, model, args.cache)
+        elif cached := cached_cells(config, prompts, args.cache):
+            cells[config] = cached
     done = {c for c in grid["configs"] if all((args.cache / c / f"{p}.json").exists() for p in prompts)}
-    result = {"command": "python -m benchmarks.eval_niah" + (" --small" if args.small else ""),
+    result = {"command": command_line("eval_niah", args.small),
               "machine": machine_info(), "grid": grid, "complete_configs": sorted(done),
               "missing_configs": [c for c in grid["configs"] if c not in done],
               "summary": compare(cells), "cells": cells}

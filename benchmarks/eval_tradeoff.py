@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from louver_sgl.config import LouverConfig
 from louver_sgl.data.capture import ensure_traces, load_trace
 from louver_sgl.decode.baselines import BASELINES
-from louver_sgl.eval.cache import DEFAULT_CACHE, cached_cell, machine_info, write_json
+from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.tradeoff import layer_tradeoff
 
 LOUVER = ["budget-0.02", "budget-0.05", "budget-0.1", "budget-0.2", "budget-0.3",
@@ -48,10 +50,9 @@ def combine(cells: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "tradeoff")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eval_tradeoff.json"))
-    parser.add_argument("--small", action="store_true", help="CI size: one 2K trace, two layers")
+    add_run_arguments(parser, "tradeoff", "CI size: one 2K trace, two layers")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     traces = SMALL["traces"] if args.small else FULL_TRACES
@@ -73,7 +74,7 @@ def main() -> None:
                         "methods": layer_tradeoff(trace, layer, louver, list(BASELINES), fractions, base)}
 
             cells.append(cached_cell(cell_path, compute))
-    result = {"command": "python -m benchmarks.eval_tradeoff" + (" --small" if args.small else ""),
+    result = {"command": command_line("eval_tradeoff", args.small),
               "machine": machine_info(), "traces": [f"{t}_{n}" for t, n in traces],
               "cells": len(cells), "methods": combine(cells), "per_cell": cells}
     write_json(args.out, result)

@@ -41,6 +41,8 @@ class LouverConfig:
       sink_pages: leading full pages of every request that are always attended densely.
       recent_pages: trailing full pages (before the tail) that are always attended densely.
       dense_fallback_fraction: a request whose candidate fraction exceeds this runs dense.
+      min_sparse_tokens: requests with fewer tokens attend every key densely (no index read);
+        short contexts are faster dense. A tuned-profile knob; 0 sends every request through the index.
       value_gate: with the budget and fixed policies, skip V reads for candidates whose exact
         score is below T (their exact mass is added to the reported dropped-mass bound).
     """
@@ -60,6 +62,7 @@ class LouverConfig:
     sink_pages: int = 1
     recent_pages: int = 1
     dense_fallback_fraction: float = 0.6
+    min_sparse_tokens: int = 0
     value_gate: bool = True
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class LouverConfig:
             raise ValueError(
                 f"dense_fallback_fraction must lie in (0, 1], got {self.dense_fallback_fraction}"
             )
+        _check_int("min_sparse_tokens", self.min_sparse_tokens, 0, 1 << 30)
 
     def subspace_width(self, head_dim: int) -> int:
         """Channels per subspace for ``head_dim``; raises if the split is not even."""

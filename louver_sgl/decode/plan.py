@@ -39,6 +39,8 @@ class DecodePlan:
 def split_pages(num_tokens: int, config: LouverConfig) -> tuple[range, range, range]:
     """(sink pages, indexed pages, recent pages) as page-index ranges of one request."""
     full = num_tokens // config.page_size
+    if num_tokens < config.min_sparse_tokens:  # short request: every full page is attended densely
+        return range(0, full), range(full, full), range(full, full)
     sink = min(config.sink_pages, full)
     recent = min(config.recent_pages, full - sink)
     return range(0, sink), range(sink, full - recent), range(full - recent, full)

@@ -52,3 +52,20 @@ def _git_commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def add_run_arguments(parser, name: str, small_help: str, threads: bool = True) -> None:
+    """The options the evaluation commands share: cache, output, CI size (and torch threads)."""
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / name, help="per-cell cache directory")
+    parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/eval_{name}.json"))
+    parser.add_argument("--small", action="store_true", help=small_help)
+    if not threads:
+        return
+    # 1 thread: the per-step work is many small tensor ops, which extra threads slow down
+    # (and the evaluation machine's cores are shared).
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
+def command_line(module: str, small: bool) -> str:
+    """How a result file was produced, recorded in it."""
+    return f"python -m benchmarks.{module}" + (" --small" if small else "")

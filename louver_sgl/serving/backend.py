@@ -22,7 +22,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..index.store import PageIndexStore
 from ..decode import louver_decode
-from .options import load_options
+from ..profiles import Shapes
+from ..profiles.launch import cpu_threads
+from .options import resolve_options
 from .telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ class LouverAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
-        config, serving = load_options()
+        config, serving = self._resolve_options(model_runner)
         page_size = int(model_runner.page_size)
         if page_size != config.page_size:
             logger.info("louver: using the server page size %d for the index (configured %d)",
@@ -51,6 +53,17 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)))
         self._log_memory_estimate()
+
+    def _resolve_options(self, model_runner):
+        """Options over the tuned profile of this device and the served attention shapes."""
+        k = self.token_to_kv_pool.get_key_buffer(getattr(self.token_to_kv_pool, "start_layer", 0) or 0)
+        tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
+        shapes = Shapes(int(k.shape[2]), int(model_runner.model_config.num_attention_heads) // tp_size,
+                        int(k.shape[1]), str(k.dtype).replace("torch.", ""))
+        target = "cpu" if k.device.type == "cpu" else "cuda"
+        config, serving, selection = resolve_options(target, shapes)
+        logger.info("%s", selection.message)
+        return config, serving
 
     # ----- index storage -------------------------------------------------------------------------
 
@@ -122,12 +135,13 @@ class LouverAttnBackend(TorchNativeAttnBackend):
                 self.telemetry.pages_built += int(full.sum())
         page_table, seq_lens = self._page_table(forward_batch)
         self._build_unbuilt(layer.layer_id, page_table, seq_lens)
-        _, stats = louver_decode(
-            q.view(-1, h_q, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id), page_table, seq_lens,
-            self._store(layer.layer_id), layer.scaling, self.config, out=out.view(-1, h_q, dim),
-            chunk_pages=self.serving.chunk_pages,
-        )
+        with cpu_threads(self.serving.num_threads if q.device.type == "cpu" else 0):
+            _, stats = louver_decode(
+                q.view(-1, h_q, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id), page_table, seq_lens,
+                self._store(layer.layer_id), layer.scaling, self.config, out=out.view(-1, h_q, dim),
+                chunk_pages=self.serving.chunk_pages,
+            )
         self.telemetry.record_step(stats)
         if layer.layer_id == self._first_layer():
             self.telemetry.end_decode_forward()

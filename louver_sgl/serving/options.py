@@ -1,7 +1,8 @@
 """Backend options from a JSON file and ``LOUVER_*`` environment variables.
 
 SGLang has no plugin CLI flags, and environment variables reach every scheduler subprocess, so
-options come from (lowest to highest priority): the defaults, the JSON file named by
+options come from (lowest to highest priority): the defaults, the tuned profile of the device
+(``louver_sgl.profiles``: its ``config`` and ``launch`` values), the JSON file named by
 ``LOUVER_CONFIG``, then one ``LOUVER_<OPTION>`` variable per option (``LOUVER_EPS=1e-3``,
 ``LOUVER_POLICY=budget``, ...). Every ``LouverConfig`` field is an option, plus the serving
 options of ``ServingOptions``. Invalid values fail at startup with a message naming the option.
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import LouverConfig
+from ..profiles import PROFILE_ENV, Profile, ProfileError, Selection, Shapes, select_profile
 
 ENV_PREFIX = "LOUVER_"
+_CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(LouverConfig))
 CONFIG_FILE_ENV = "LOUVER_CONFIG"
 
 
@@ -26,24 +29,31 @@ CONFIG_FILE_ENV = "LOUVER_CONFIG"
 class ServingOptions:
     """Options of the SGLang backend that are not index or threshold settings.
 
-    chunk_pages: pages per split of the compiled CPU kernel.
+    chunk_pages: pages per split of the compiled CPU kernel (a launch parameter).
+    num_threads: torch threads of the CPU decode step (a launch parameter; 0: leave torch's count).
     log_interval: decode steps between telemetry log lines (0: SGLang's decode-log interval).
+
+    Launch parameters of tuned profiles are fields of this class.
     """
 
     chunk_pages: int = 64
+    num_threads: int = 0
     log_interval: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ValueError(f"chunk_pages must be a positive int, got {self.chunk_pages!r}")
+        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ValueError(f"num_threads must be a non-negative int, got {self.num_threads!r}")
         if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
             raise ValueError(f"log_interval must be a non-negative int, got {self.log_interval!r}")
 
 
-def load_options(environ: Mapping[str, str] | None = None) -> tuple[LouverConfig, ServingOptions]:
+def load_options(environ: Mapping[str, str] | None = None,
+                 profile: Profile | None = None) -> tuple[LouverConfig, ServingOptions]:
     """Resolve the backend options; raises ``ValueError`` naming the bad option or file."""
     environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = profile_values(profile) if profile is not None else {}
     path = environ.get(CONFIG_FILE_ENV)
     if path:
         values.update(_read_json(Path(path)))
@@ -60,6 +70,40 @@ def load_options(environ: Mapping[str, str] | None = None) -> tuple[LouverConfig
     config = LouverConfig(**{k: v for k, v in values.items() if k in config_keys})
     serving = ServingOptions(**{k: v for k, v in values.items() if k in serving_keys})
     return config, serving
+
+
+def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | None = None,
+                    raw_device_name: str | None = None) -> tuple[LouverConfig, ServingOptions, Selection]:
+    """Options on top of the device's tuned profile (see ``louver_sgl.profiles.select``).
+
+    A profile named by ``LOUVER_PROFILE`` must apply (``ProfileError`` otherwise); an auto-picked
+    one whose values are invalid here is reported in the selection message and skipped.
+    """
+    from .. import __version__
+
+    environ = os.environ if environ is None else environ
+    selection = select_profile(target, shapes, __version__, environ, raw_device_name)
+    if selection.profile is not None:
+        try:
+            values = profile_values(selection.profile)
+            LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
+            ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
+        except (TypeError, ValueError) as exc:
+            if environ.get(PROFILE_ENV, "").strip():
+                raise ProfileError(f"{PROFILE_ENV}: {exc}") from exc
+            selection = Selection(None, f"louver: profile {selection.profile.path} rejected ({exc}); "
+                                        "using the built-in defaults")
+    return (*load_options(environ, selection.profile), selection)
+
+
+def profile_values(profile: Profile) -> dict[str, Any]:
+    """A profile's config and launch values as options; launch keys must be ServingOptions fields."""
+    launch_keys = {f.name for f in dataclasses.fields(ServingOptions)}
+    unknown = sorted(set(profile.launch) - launch_keys)
+    if unknown:
+        raise ProfileError(f"profile {profile.path or profile.device_name}: unknown launch parameters "
+                           f"{unknown}; known: {sorted(launch_keys)}")
+    return {**profile.config, **profile.launch}
 
 
 def option_table() -> list[tuple[str, str, Any]]:

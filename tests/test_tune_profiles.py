@@ -1,0 +1,157 @@
+"""Profiles: file format, validation, selection at startup, and how options resolve over them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import louver_sgl
+from louver_sgl import LouverConfig
+from louver_sgl.profiles import (SHIPPED_DIR, Profile, ProfileError, Shapes, cpu_isa_level,
+                                 normalize_device_name, profile_key, select_profile)
+from louver_sgl.profiles.launch import cpu_threads
+from louver_sgl.serving.options import resolve_options
+
+SHAPES = Shapes(64, 9, 3, "float16", (8192,), (1,))
+DEVICE = "Test CPU 9000 avx512"
+
+
+def profile_dict(**changes):
+    data = {"target": "cpu", "device_name": DEVICE, "louver_version": louver_sgl.__version__,
+            "config": {"page_size": 32, "grid_bits": 4, "sink_pages": 2},
+            "launch": {"chunk_pages": 16, "num_threads": 1},
+            "shapes": {"head_dim": 64, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16",
+                       "context_lengths": [8192], "batch_sizes": [1]},
+            "measured": {"speedup_vs_defaults": 1.2}}
+    data.update(changes)
+    return data
+
+
+def write(tmp_path, data, name=None) -> str:
+    path = tmp_path / (name or f"{profile_key('cpu', DEVICE)}.json")
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def test_device_keys():
+    assert normalize_device_name("NVIDIA H200") == "nvidia_h200"
+    assert normalize_device_name("NVIDIA GeForce RTX 4090 (24GB)") == "nvidia_geforce_rtx_4090_24gb"
+    assert profile_key("cpu", "AMD EPYC avx512") == "cpu_amd_epyc_avx512"
+    assert cpu_isa_level({"avx", "avx2", "avx512f"}) == "avx512"
+    assert cpu_isa_level({"avx", "avx2"}) == "avx2"
+    with pytest.raises(ValueError, match="no letters"):
+        normalize_device_name("  --  ")
+
+
+def test_round_trip(tmp_path):
+    profile = Profile.from_dict(profile_dict())
+    loaded = Profile.load(profile.write(tmp_path / "p.json"))
+    assert loaded.to_dict() == profile.to_dict()
+    assert loaded.shapes == SHAPES
+
+
+@pytest.mark.parametrize("data, message", [
+    (profile_dict(config={"eps": 1e-2}), "accuracy knobs"),
+    (profile_dict(config={"policy": "dense"}), "accuracy knobs"),
+    (profile_dict(config={"page_size": 48}), "invalid config.*page_size"),
+    (profile_dict(config={"pagesize": 32}), "unknown config keys"),
+    (profile_dict(launch={"chunk_pages": "64"}), "launch.chunk_pages"),
+    (profile_dict(target="tpu"), "target must be"),
+    (profile_dict(extra=1), "unknown keys"),
+    ({"target": "cpu"}, "missing keys"),
+    (profile_dict(shapes={"head_dim": 64, "num_q_heads": 9, "num_kv_heads": 2, "kv_dtype": "float16"}), "multiple"),
+    (profile_dict(shapes={"head_dim": 64, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "fp8"}), "kv_dtype"),
+])
+def test_malformed_profiles_are_rejected(tmp_path, data, message):
+    with pytest.raises(ProfileError, match=message):
+        Profile.load(write(tmp_path, data))
+
+
+def test_corrupt_file_is_rejected(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read a JSON object"):
+        Profile.load(write(tmp_path, '{"target": "cpu", '))
+
+
+def test_explicit_profile_applies(tmp_path):
+    env = {"LOUVER_PROFILE": write(tmp_path, profile_dict())}
+    config, serving, selection = resolve_options("cpu", SHAPES, env, DEVICE)
+    assert selection.profile is not None and "LOUVER_PROFILE" in selection.message
+    assert (config.page_size, config.grid_bits, config.sink_pages) == (32, 4, 2)
+    assert (serving.chunk_pages, serving.num_threads) == (16, 1)
+    assert config.policy == "certified" and config.eps == LouverConfig().eps
+
+
+def test_env_and_config_file_override_the_profile(tmp_path):
+    cfg = tmp_path / "louver.json"
+    cfg.write_text(json.dumps({"grid_bits": 8, "chunk_pages": 32}))
+    env = {"LOUVER_PROFILE": write(tmp_path, profile_dict()), "LOUVER_CONFIG": str(cfg), "LOUVER_SINK_PAGES": "0"}
+    config, serving, _ = resolve_options("cpu", SHAPES, env, DEVICE)
+    assert (config.page_size, config.grid_bits, config.sink_pages) == (32, 8, 0)
+    assert (serving.chunk_pages, serving.num_threads) == (32, 1)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"louver_version": "0.0.1"}, "louver_version"),
+    ({"target": "cuda"}, "target"),
+    ({"shapes": {"head_dim": 128, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16"}}, "head_dim"),
+    ({"shapes": {"head_dim": 64, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "bfloat16"}}, "kv_dtype"),
+    ({"launch": {"block_n": 64}}, "unknown launch parameters"),
+])
+def test_explicit_mismatched_profile_raises(tmp_path, changes, message):
+    env = {"LOUVER_PROFILE": write(tmp_path, profile_dict(**changes))}
+    with pytest.raises(ProfileError, match=message):
+        resolve_options("cpu", SHAPES, env, DEVICE)
+
+
+def test_explicit_missing_profile_raises(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read"):
+        resolve_options("cpu", SHAPES, {"LOUVER_PROFILE": str(tmp_path / "nope.json")}, DEVICE)
+
+
+def test_auto_pick_by_device_key(tmp_path):
+    write(tmp_path, profile_dict())
+    config, _, selection = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE_DIR": str(tmp_path)}, DEVICE)
+    assert selection.profile is not None and "using tuned profile" in selection.message
+    assert config.page_size == 32
+
+
+@pytest.mark.parametrize("data", [
+    profile_dict(shapes={"head_dim": 128, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16"}),
+    profile_dict(louver_version="9.9.9"),
+    profile_dict(launch={"block_n": 64}),
+    "not json",
+])
+def test_auto_picked_bad_profile_falls_back_to_defaults(tmp_path, data):
+    write(tmp_path, data)
+    config, serving, selection = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE_DIR": str(tmp_path)}, DEVICE)
+    assert selection.profile is None and "using the built-in defaults" in selection.message
+    assert config == LouverConfig() and serving.chunk_pages == 64
+
+
+def test_unknown_device_and_disabled_profile_use_defaults(tmp_path):
+    write(tmp_path, profile_dict())
+    sel = select_profile("cpu", SHAPES, louver_sgl.__version__, {"LOUVER_PROFILE_DIR": str(tmp_path)}, "Other CPU")
+    assert sel.profile is None and "no tuned profile for 'Other CPU'" in sel.message
+    env = {"LOUVER_PROFILE_DIR": str(tmp_path), "LOUVER_PROFILE": "none"}
+    assert select_profile("cpu", SHAPES, louver_sgl.__version__, env, DEVICE).profile is None
+
+
+def test_shipped_profiles_are_valid():
+    paths = sorted(SHIPPED_DIR.glob("*.json"))
+    assert paths, "no profile shipped"
+    for path in paths:
+        profile = Profile.load(path)
+        assert path.stem == profile_key(profile.target, profile.device_name)
+        assert profile.louver_version == louver_sgl.__version__
+        assert profile.measured["speedup_vs_defaults"] > 0
+
+
+def test_cpu_threads_restores_the_count():
+    before = torch.get_num_threads()
+    with cpu_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with cpu_threads(0):
+        assert torch.get_num_threads() == before

@@ -1,0 +1,93 @@
+"""Hard constraints of a trial, checked against an fp64 brute force on a validation set.
+
+For every request and query head of a decode step:
+  * zero false negatives: every indexed key whose exact fp64 score reaches the step's threshold T
+    passes the index's bounds (the attended set of the reference semantics);
+  * the dropped softmax mass (keys outside that set and the dense part) is at most the step's
+    certified bound, and with the certified policy the bound is below eps;
+  * the step's output is within the guarantee ||o - o_dense|| <= 2 * bound * max||v|| of fp64
+    dense attention, plus an fp32 accumulation allowance.
+A violation raises ``ConstraintViolation``; the tuner records the trial as failed (rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.data.paged import PagedBatch
+from louver_sgl.decode.plan import split_pages
+from louver_sgl.decode.step import StepStats
+from louver_sgl.index.numerics import keep_at_least
+
+# fp32 step vs fp64 reference: a relative allowance on max||v|| for accumulation rounding.
+OUTPUT_FP32_ALLOWANCE = 1e-4
+
+
+class ConstraintViolation(Exception):
+    """A trial broke a hard constraint (exactness or the certified mass bound)."""
+
+
+def check_step(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
+               stats: StepStats) -> None:
+    """Raise ``ConstraintViolation`` naming the request and the broken constraint.
+
+    Args:
+        batch: q ``[B, H_q, D]``, paged k/v ``[slots, H_kv, D]``, page_table ``[B, pages]``, seq_lens ``[B]``.
+        out: the step's output ``[B, H_q, D]``; stats: its ``StepStats`` (threshold, mass_bound ``[B, H_q]``).
+    """
+    if config.policy == "certified" and not bool((stats.mass_bound.cpu() < config.eps).all()):
+        raise ConstraintViolation(f"certified bound {float(stats.mass_bound.max()):.3g} >= eps {config.eps}")
+    for b in range(batch.q.shape[0]):
+        _check_request(batch, store, config, out, stats, b)
+
+
+def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
+                   stats: StepStats, b: int) -> None:
+    size, n = config.page_size, int(batch.seq_lens[b])
+    pos = torch.arange(n)
+    slots = batch.page_table[b].cpu().long()[pos // size] * size + pos % size
+    keys, values = batch.k.cpu()[slots], batch.v.cpu()[slots]
+    q = batch.q[b].cpu()
+    groups = q.shape[0] // keys.shape[1]
+    scores = torch.einsum("hd,nhd->hn", q.double(), keys.double().repeat_interleave(groups, 1))  # [H_q, n]
+    threshold = stats.threshold[b].cpu()
+    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold)  # [H_q, n] or None
+    attended = torch.ones_like(scores, dtype=torch.bool)
+    if passed is not None and not bool(stats.dense_fallback[b]):
+        indexed = passed[1]
+        missed = (scores[:, indexed] >= threshold.double()[:, None]) & ~passed[0]
+        if bool(missed.any()):
+            raise ConstraintViolation(f"request {b}: {int(missed.sum())} false negatives (recall < 1)")
+        attended[:, indexed] = passed[0]
+    probs = torch.softmax(batch.sigma * scores, dim=1)
+    dropped = (probs * ~attended).sum(1)
+    bound = stats.mass_bound[b].cpu().double()
+    if bool((dropped > bound + 1e-12).any()):
+        raise ConstraintViolation(f"request {b}: dropped mass {float(dropped.max()):.3g} exceeds the "
+                                  f"reported bound {float(bound.max()):.3g}")
+    dense = torch.einsum("hn,nhd->hd", probs, values.double().repeat_interleave(groups, 1))
+    err = (out[b].cpu().double() - dense).norm(dim=-1)
+    v_max = float(values.double().norm(dim=-1).max())
+    limit = (2 * bound + OUTPUT_FP32_ALLOWANCE) * v_max
+    if bool((err > limit).any()):
+        raise ConstraintViolation(f"request {b}: output error {float(err.max()):.3g} exceeds "
+                                  f"2 * bound * max|v| (+ fp32 allowance) = {float(limit.max()):.3g}")
+
+
+def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: int, config: LouverConfig,
+            threshold: torch.Tensor):
+    """(keys passing the bounds ``[H_q, n_indexed]`` bool, their positions ``[n_indexed]``), or None."""
+    size = config.page_size
+    _, indexed, _ = split_pages(n, config)
+    pages = pages_row[indexed.start:indexed.stop].to(next(iter(store.tensors.values())).device)
+    if len(pages) == 0:
+        return None
+    groups = q.shape[0] // store.num_kv_heads
+    rows = q.float().view(1, store.num_kv_heads, groups, -1).expand(len(pages), -1, -1, -1).contiguous()
+    bounds = store.page_bounds(rows.to(pages.device), pages)
+    tok = store.token_bounds(bounds, pages).reshape(-1, q.shape[0]).t().cpu()
+    page_bound = bounds.page_bound.reshape(len(pages), -1).t().repeat_interleave(size, 1).cpu()
+    passed = keep_at_least(torch.minimum(tok, page_bound), threshold[:, None])
+    positions = torch.arange(indexed.start * size, indexed.stop * size)
+    return passed, positions
