@@ -21,7 +21,7 @@ from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR
 from louver_sgl.data.texts import load_text
 from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.hf_decode import DecodeRunner, load_eval_model, prefill
-from louver_sgl.eval.kl import dense_logits, kl_summary, policy_logits
+from louver_sgl.eval.kl import AttendedFraction, dense_logits, kl_summary, policy_logits
 from louver_sgl.eval.policies import make_policy, text_window_ids
 
 POLICIES = ["certified-1e-2", "certified-1e-3", "certified-1e-4", "budget-0.05", "budget-0.1", "budget-0.2",
@@ -39,9 +39,10 @@ def run_window(model, tokenizer, runner: DecodeRunner, offset: int, grid: dict, 
     rows = []
     for name in grid["policies"]:
         def compute(name=name):
-            runner.policy = make_policy(name)
+            runner.policy, runner.observer = make_policy(name), AttendedFraction()
             logits = policy_logits(model, cache, cont, runner, len(ids))
-            return {"offset": offset, "context": grid["context"], "policy": name, **kl_summary(reference, logits)}
+            return {"offset": offset, "context": grid["context"], "policy": name,
+                    "attended_fraction": runner.observer.mean, **kl_summary(reference, logits)}
 
         rows.append(cached_cell(cache_dir / f"{offset}_{grid['context']}_{grid['tokens']}_{name}.json", compute))
     return rows
@@ -53,8 +54,10 @@ def summarise(rows: list[dict]) -> dict:
     for name in dict.fromkeys(r["policy"] for r in rows):
         kl = np.concatenate([r["kl"] for r in rows if r["policy"] == name])
         agree = np.mean([r["top1_agreement"] for r in rows if r["policy"] == name])
+        attended = np.mean([r["attended_fraction"] for r in rows if r["policy"] == name])
         out[name] = {"tokens": int(len(kl)), "mean_kl": float(kl.mean()), "median_kl": float(np.median(kl)),
-                     "p90_kl": float(np.quantile(kl, 0.9)), "max_kl": float(kl.max()), "top1_agreement": float(agree)}
+                     "p90_kl": float(np.quantile(kl, 0.9)), "max_kl": float(kl.max()), "top1_agreement": float(agree),
+                     "attended_fraction": float(attended)}
     return out
 
 

@@ -93,14 +93,15 @@ def plot_exactness(result: dict, arrays: dict[str, np.ndarray] | None, out: Path
 def plot_kl(result: dict, out: Path) -> None:
     """Mean and p90 per-token KL per policy (log scale)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.2))
     names = list(result["policies"])
     rows = [result["policies"][n] for n in names]
     x = np.arange(len(names))
     ax.bar(x - 0.2, [r["mean_kl"] for r in rows], 0.4, label="mean")
     ax.bar(x + 0.2, [r["p90_kl"] for r in rows], 0.4, label="p90")
     ax.set(yscale="log", ylabel="KL(dense ‖ policy) per token (nats)", xticks=x)
-    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    labels = [f"{n}\n{r['attended_fraction']:.0%} keys" for n, r in zip(names, rows)]
+    ax.set_xticklabels(labels, fontsize=8)
     ax.legend(fontsize=8)
     ax.set_title(f"Next-token KL from dense, held-out essays; {_subtitle(result)}", fontsize=10)
     fig.tight_layout()

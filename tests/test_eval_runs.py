@@ -71,7 +71,7 @@ def test_kl_small(tmp_path):
     assert set(result["policies"]) == {"certified-1e-2", "budget-0.1", "quest-0.1"}
     for name, row in result["policies"].items():
         assert row["tokens"] == 4 and 0.0 <= row["mean_kl"] <= row["max_kl"], name
-        assert 0.0 <= row["top1_agreement"] <= 1.0
+        assert 0.0 <= row["top1_agreement"] <= 1.0 and 0.0 < row["attended_fraction"] <= 1.0
 
 
 def test_dense_policy_kl_is_zero():

@@ -10,7 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from .hf_decode import DecodeRunner, clone_cache, decode_tokens
+from .hf_decode import DecodeRunner, LayerKV, StepRecord, clone_cache, decode_tokens
+
+
+class AttendedFraction:
+    """Observer: mean fraction of the cached keys the policy attended, over (layer, step, head)."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: LayerKV, sigma: float, record: StepRecord) -> None:
+        self.total += float(record.attended.double().mean(1).sum())
+        self.count += record.attended.shape[0]
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
 
 
 @torch.no_grad()
