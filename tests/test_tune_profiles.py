@@ -155,3 +155,33 @@ def test_cpu_threads_restores_the_count():
     assert torch.get_num_threads() == before
     with cpu_threads(0):
         assert torch.get_num_threads() == before
+
+
+def test_served_shapes_at_argument_resolution():
+    from types import SimpleNamespace
+
+    from louver_sgl.serving.plugin import _served_shapes
+
+    model = SimpleNamespace(head_dim=64, num_attention_heads=18, get_num_kv_heads=lambda tp: 6 // tp,
+                            dtype=torch.bfloat16)
+    view = SimpleNamespace(tp_size=2, kv_cache_dtype="auto")
+    assert _served_shapes(view, model) == Shapes(64, 9, 3, "bfloat16")
+    assert _served_shapes(SimpleNamespace(tp_size=1, kv_cache_dtype="fp8_e4m3"), model) is None
+
+
+def test_backend_resolves_the_profile_for_its_kv_pool(tmp_path, monkeypatch, caplog):
+    """The backend reads H_kv, D and dtype from the KV pool, H_q per rank from the model config."""
+    from types import SimpleNamespace
+
+    from louver_sgl.serving.backend import LouverAttnBackend
+
+    monkeypatch.setenv("LOUVER_PROFILE", write(tmp_path, profile_dict()))
+    pool = SimpleNamespace(start_layer=0, get_key_buffer=lambda layer: torch.zeros(128, 3, 64, dtype=torch.float16))
+    runner = SimpleNamespace(tp_size=1, model_config=SimpleNamespace(num_attention_heads=9))
+    with caplog.at_level("INFO", logger="louver_sgl.serving"):
+        config, serving = LouverAttnBackend._resolve_options(SimpleNamespace(token_to_kv_pool=pool), runner)
+    assert config.page_size == 32 and serving.chunk_pages == 16
+    assert "using profile" in caplog.text
+    runner.model_config.num_attention_heads = 6  # another model: the explicit profile must not apply
+    with pytest.raises(ProfileError, match="num_q_heads"):
+        LouverAttnBackend._resolve_options(SimpleNamespace(token_to_kv_pool=pool), runner)
