@@ -26,7 +26,7 @@ from louver_sgl.eval.policies import make_policy, text_window_ids
 
 POLICIES = ["certified-1e-2", "certified-1e-3", "certified-1e-4", "budget-0.05", "budget-0.1", "budget-0.2",
             "oracle_topk-0.1", "quest-0.1", "streaming-0.1"]
-FULL = {"offsets": [330_000, 450_000, 570_000], "context": 2048, "tokens": 48, "policies": POLICIES}
+FULL = {"offsets": [330_000, 450_000, 570_000], "context": 2048, "tokens": 32, "policies": POLICIES}
 SMALL = {"offsets": [330_000], "context": 300, "tokens": 4, "policies": ["certified-1e-2", "budget-0.1", "quest-0.1"]}
 
 
