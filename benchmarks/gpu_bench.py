@@ -162,9 +162,9 @@ def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch):
     out = torch.empty_like(case.q)
     holder = {}
 
-    def step():
+    def step(with_stats: bool = False):
         holder["stats"] = louver_decode_gpu(case.q, case.k_cache, case.v_cache, case.page_table, case.seq_lens,
-                                            store, case.sigma, config, launch, ws, out)[1]
+                                            store, case.sigma, config, launch, ws, out, with_stats=with_stats)[1]
 
     return step, out, holder, store, build_s
 
@@ -300,6 +300,37 @@ def check_graph_replay(layer, page_size: int, dtype) -> dict:
     return {"max_abs_diff": diff, "equal": diff == 0.0}
 
 
+def profile_breakdown(layer, args, dtype) -> list[dict]:
+    """Per-kernel device time of eager louver steps (torch.profiler) on the longest batch-1 case."""
+    rows = []
+    if DEVICE != "cuda":
+        return rows
+    from torch.profiler import ProfilerActivity, profile
+
+    for shape in args.shapes:
+        context = max(args.contexts)
+        case = PagedCase(layer, shape, context, 1, args.page_size, dtype)
+        for policy, extra in (("budget", {"budget": 0.05}), ("certified", {"eps": 1e-3})):
+            config = LouverConfig(page_size=args.page_size, policy=policy, grid_bits=max(args.bits), **extra)
+            step, *_ = louver_method(case, config, TritonLaunch())
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            for event in prof.key_averages():
+                device_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+                if device_us > 0:
+                    rows.append(dict(shape=shape, context=context, policy=policy, kernel=event.key[:80],
+                                     calls=event.count, device_us_per_step=device_us / 5))
+            for r in sorted((r for r in rows if r["shape"] == shape and r["policy"] == policy),
+                            key=lambda r: -r["device_us_per_step"])[:8]:
+                log(f"profile {shape} {policy} {r['device_us_per_step']:9.1f} us  x{r['calls']}  {r['kernel']}")
+        del case
+    return rows
+
+
 # ----------------------------------------------------------------------------- launch sweep
 
 SWEEP_CASES = {"llama3_8b": (131072, 1), "smollm2": (32768, 1)}
@@ -361,7 +392,7 @@ def time_case(layer, shape, context, batch, args, dtype, policies, bandwidth) ->
     for label, config, launch in policies:
         step, lout, holder, store, build_s = louver_method(case, config, launch)
         ms = graph_time(step)
-        step()
+        step(with_stats=True)
         stats = holder["stats"]
         moved = louver_bytes(case, config, stats, store)
         err = float((lout[: ref.shape[0]].float() - ref).abs().max())
@@ -389,6 +420,15 @@ def time_case(layer, shape, context, batch, args, dtype, policies, bandwidth) ->
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def guarded(fn, fallback, *args):
+    """Run one optional part of the check; a failure is logged and leaves the rest running."""
+    try:
+        return fn(*args)
+    except Exception:
+        log(f"{fn.__name__} failed:\n{traceback.format_exc()}")
+        return fallback
 
 
 def main() -> int:
@@ -419,11 +459,13 @@ def main() -> int:
     log(f"device {result['device']}; copy bandwidth {bandwidth:.0f} GB/s")
     if not args.skip_checks:
         tokens = args.check_tokens or layer["keys"].shape[0]
-        result["exactness"] = check_exactness(layer, args.page_size, dtype, tokens)
-        result["graph_replay"] = check_graph_replay(layer, args.page_size, dtype)
+        result["exactness"] = guarded(check_exactness, [], layer, args.page_size, dtype, tokens)
+        result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype)
+    if not args.skip_checks:
+        result["profile"] = guarded(profile_breakdown, [], layer, args, dtype)
     best = {shape: TritonLaunch() for shape in args.shapes}
     if not args.skip_sweep:
-        result["sweep"], best = sweep_launch(layer, args, dtype)
+        result["sweep"], best = guarded(sweep_launch, ([], best), layer, args, dtype)
     result["launch_used"] = {shape: launch.__dict__ for shape, launch in best.items()}
     result["timings"] = rows = []
     for shape in args.shapes:

@@ -72,11 +72,13 @@ def quantize_weights(w, BITS: tl.constexpr):
 
 
 @triton.jit
-def load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D: tl.constexpr, BITS: tl.constexpr):
-    """Unpacked codes ``[P, D]`` fp16 of token rows ``slots`` ``[P]`` (int64) and KV head h."""
+def load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D: tl.constexpr, BITS: tl.constexpr, read):
+    """Unpacked codes ``[P, D]`` fp16 of token rows ``slots`` ``[P]`` (int64) and KV head h;
+    zeros without a memory read where the scalar ``read`` is false."""
     per_byte: tl.constexpr = 8 // BITS
     dim = tl.arange(0, D)
-    byte = tl.load(codes_ptr + slots[:, None] * stride_cs + h * stride_ch + (dim // per_byte)[None, :])
+    byte = tl.load(codes_ptr + slots[:, None] * stride_cs + h * stride_ch + (dim // per_byte)[None, :],
+                   mask=read, other=0)
     mask: tl.constexpr = (1 << BITS) - 1
     return ((byte.to(tl.int32) >> ((dim % per_byte) * BITS)[None, :]) & mask).to(tl.float16)
 

@@ -62,11 +62,16 @@ def _grid_build_kernel(
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
-    page = tl.load(page_ids_ptr + i).to(tl.int64)
+    raw_page = tl.load(page_ids_ptr + i).to(tl.int64)
+    page = tl.maximum(raw_page, 0)
     tok = tl.arange(0, P)
     dim = tl.arange(0, D)
+    # negative ids are placeholders (fixed-size lists in graph-captured builds): no reads or writes
+    live_tok = (raw_page + 0 * tok) >= 0
+    live_dim = (raw_page + 0 * dim) >= 0
     slots = page * P + tok
-    keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :]).to(tl.float32)
+    keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
+                   mask=live_tok[:, None], other=0.0).to(tl.float32)
     finite = tl.sum(tl.sum((tl.abs(keys) < float("inf")).to(tl.int32), 1), 0) == P * D
     levels: tl.constexpr = 1 << BITS
     lo = tl.min(keys, 0)  # a stored value: exact in STORE
@@ -81,16 +86,17 @@ def _grid_build_kernel(
     dev = tl.max(tl.abs(keys.to(tl.float64) - center), 0)
     dev = tl.where(finite, dev, float("inf"))
     meta = page * stride_ms + h * stride_mh + dim
-    tl.store(lo_ptr + meta, lo.to(STORE))
-    tl.store(scale_ptr + meta, scale)
-    tl.store(radius_ptr + meta, _round_up_to(dev, STORE))
+    tl.store(lo_ptr + meta, lo.to(STORE), mask=live_dim)
+    tl.store(scale_ptr + meta, scale, mask=live_dim)
+    tl.store(radius_ptr + meta, _round_up_to(dev, STORE), mask=live_dim)
     per_byte: tl.constexpr = 8 // BITS
     icodes = codes.to(tl.int32)
     grouped = tl.reshape(icodes, (P, D // per_byte, per_byte))
     shifts = tl.arange(0, per_byte) * BITS
     packed = tl.sum(grouped << shifts[None, None, :], 2)
     byte = tl.arange(0, D // per_byte)
-    tl.store(codes_ptr + slots[:, None] * stride_cs + h * stride_ch + byte[None, :], packed.to(tl.uint8))
+    tl.store(codes_ptr + slots[:, None] * stride_cs + h * stride_ch + byte[None, :], packed.to(tl.uint8),
+             mask=live_tok[:, None])
 
 
 def grid_build(
@@ -109,7 +115,8 @@ def grid_build(
     Args:
         k_cache: ``[num_slots, H_kv, D]`` fp16/bf16/fp32 keys (slot = page_id * P + offset),
             last dim contiguous.
-        page_ids: ``[n]`` int32/int64 ids of full pages.
+        page_ids: ``[n]`` int32/int64 ids of full pages; negative entries are skipped (a fixed-size
+            list for CUDA-graph capture).
         lo, scale, radius: ``[num_pages, H_kv, D]`` in k_cache's dtype (written at ``page_ids``).
         codes: ``[num_slots, H_kv, D * bits // 8]`` uint8 (written at the pages' slots).
         page_size, bits: P (power of two) and code width (2, 4 or 8).

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    exact_scores, load_codes, load_page_terms, quantize_weights, request_layout, token_bounds,
+    exact_scores, load_codes, load_page_terms, page_terms, quantize_weights, request_layout, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -35,22 +35,32 @@ HIST_WIDTH = tl.constexpr(259)
 
 
 @triton.jit
-def _token_position(i, n_sink_tok, n_dense, end, first, n_idx, M: tl.constexpr, P: tl.constexpr):
-    """Position in the request of virtual token i: dense part first, then the sample."""
-    j = (i - n_dense).to(tl.int64)
-    spaced = tl.where(n_idx > M, j * n_idx // M, j)
-    sample_pos = first * P + spaced
-    dense_pos = tl.where(i < n_sink_tok, i, end * P + (i - n_sink_tok))
-    return tl.where(i < n_dense, dense_pos.to(tl.int64), sample_pos)
+def _scores_lb(keys, q, QHI: tl.constexpr, D: tl.constexpr):
+    """(scores, lower bounds of the exact scores) ``[T, BG]`` fp32 of keys ``[T, D]``."""
+    s = exact_scores(keys, q, QHI)
+    mag = exact_scores(tl.abs(keys), tl.abs(q), QHI)
+    # rounding bound of the fp32 sums plus the split-q residual (<= 2^-17 relative)
+    return s, s - mag * (2.0 * (D + 8) * 5.9604644775390625e-08 + 7.62939453125e-06)
+
+
+@triton.jit
+def _online_mass(m, z, s, s_lb, valid, sigma):
+    """Fold scores ``[T, BG]`` into the running max m (fp32) and Z = Σ exp(σ·(s_lb − m)) (fp64)."""
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new).to(tl.float64)
+    z = z * tl.exp(sigma * (m.to(tl.float64) - ref))
+    z += tl.sum(tl.where(valid, tl.exp(sigma * (s_lb.to(tl.float64) - ref[None, :])), 0.0), 0)
+    return m_new, z
 
 
 @triton.jit
 def _exact_part_kernel(
-    q_ptr, k_ptr, table_ptr, lens_ptr, ref_ptr, zlb_ptr, sample_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma,
+    q_ptr, k_ptr, table_ptr, lens_ptr, ref_ptr, zlb_ptr, sample_ptr, t_ptr, hist_ptr, habs_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma, budget,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, BLOCK_T: tl.constexpr,
-    QHI: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+    BLOCK_T: tl.constexpr, QHI: tl.constexpr, BUDGET: tl.constexpr, ZERO_HIST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,53 +69,89 @@ def _exact_part_kernel(
     n_sink_tok = first * P
     n_dense = n_sink_tok + seq_len - end * P
     n_idx = (end - first) * P
-    total = n_dense + tl.minimum(n_idx, M)
+    count = tl.minimum(n_idx, M)
     g = tl.arange(0, BG)
     gmask = g < G
     dim = tl.arange(0, D)
     heads = h * G + g
+    head_row = b * tl.num_programs(1) * G + heads
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.float32)
     m = tl.full((BG,), float("-inf"), tl.float32)
-    for start in range(0, total, BLOCK_T):
-        i = start + tl.arange(0, BLOCK_T)
-        valid = i < total
-        pos = _token_position(i, n_sink_tok, n_dense, end, first, n_idx, M, P)
-        page = tl.load(table_ptr + b * stride_tb + pos // P, mask=valid, other=0).to(tl.int64)
-        slot = page * P + pos % P
-        keys = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + dim[None, :],
-                       mask=valid[:, None], other=0.0)
-        s = tl.where(valid[:, None], exact_scores(keys, q, QHI), float("-inf"))
-        m = tl.maximum(m, tl.max(s, 0))
-        j = i - n_dense
-        is_sample = valid & (i >= n_dense)
-        tl.store(sample_ptr + (b * tl.num_programs(1) * G + heads[None, :]) * M + j[:, None],
-                 s, mask=is_sample[:, None] & gmask[None, :])
-    for j0 in range(tl.minimum(n_idx, M), M, BLOCK_T):
-        j = j0 + tl.arange(0, BLOCK_T)
-        tl.store(sample_ptr + (b * tl.num_programs(1) * G + heads[None, :]) * M + j[:, None],
-                 tl.full((BLOCK_T, BG), float("-inf"), tl.float32), mask=(j < M)[:, None] & gmask[None, :])
     z = tl.zeros((BG,), tl.float64)
-    qa = tl.abs(q)
-    ref64 = m.to(tl.float64)
-    for start in range(0, total, BLOCK_T):
+    for start in range(0, n_dense, BLOCK_T):  # sink pages, recent pages and the tail
         i = start + tl.arange(0, BLOCK_T)
-        valid = i < total
-        pos = _token_position(i, n_sink_tok, n_dense, end, first, n_idx, M, P)
+        valid = i < n_dense
+        pos = tl.where(i < n_sink_tok, i, end * P + (i - n_sink_tok))
         page = tl.load(table_ptr + b * stride_tb + pos // P, mask=valid, other=0).to(tl.int64)
-        slot = page * P + pos % P
-        keys = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + dim[None, :],
+        keys = tl.load(k_ptr + (page * P + pos % P)[:, None] * stride_ks + h * stride_kh + dim[None, :],
                        mask=valid[:, None], other=0.0)
-        s = exact_scores(keys, q, QHI)
-        mag = exact_scores(tl.abs(keys), qa, QHI)
-        # Lower the computed score by its rounding bound (fp32 sums, split-q residual) so that
-        # Z_lb stays a lower bound of the exact denominator.
-        s_lb = s - mag * (2.0 * (D + 8) * 5.9604644775390625e-08 + 7.62939453125e-06)
-        x = sigma * (s_lb.to(tl.float64) - ref64[None, :])
-        z += tl.sum(tl.where(valid[:, None], tl.exp(x), 0.0), 0)
-    out = b * tl.num_programs(1) * G + heads
-    tl.store(ref_ptr + out, m, mask=gmask)
-    tl.store(zlb_ptr + out, z * (1.0 - 1e-9), mask=gmask)
+        s, s_lb = _scores_lb(keys, q, QHI, D)
+        m, z = _online_mass(m, z, s, s_lb, valid[:, None], sigma)
+    j = tl.arange(0, MP)  # the sample: M evenly spaced indexed tokens, one tile
+    in_sample = j < count
+    spaced = tl.where(n_idx > M, j.to(tl.int64) * n_idx // M, j)
+    pos = first * P + spaced
+    page = tl.load(table_ptr + b * stride_tb + pos // P, mask=in_sample, other=0).to(tl.int64)
+    keys = tl.load(k_ptr + (page * P + pos % P)[:, None] * stride_ks + h * stride_kh + dim[None, :],
+                   mask=in_sample[:, None], other=0.0)
+    s, s_lb = _scores_lb(keys, q, QHI, D)
+    m, z = _online_mass(m, z, s, s_lb, in_sample[:, None], sigma)
+    s = tl.where(in_sample[:, None], s, float("-inf"))
+    tl.store(sample_ptr + head_row[None, :] * M + j[:, None], s, mask=(j < M)[:, None] & gmask[None, :])
+    tl.store(ref_ptr + head_row, m, mask=gmask)
+    tl.store(zlb_ptr + head_row, z * (1.0 - 1e-9), mask=gmask)  # covers the fp64 rounding
+    if BUDGET:  # T = the max(1, floor(f·count))-th largest sample score
+        ranked = tl.sort(tl.trans(s), 1, descending=True)  # [BG, MP]
+        k = tl.maximum(tl.floor(count.to(tl.float64) * budget), 1.0).to(tl.int64)
+        k = tl.minimum(k, MP)
+        t = tl.sum(tl.where((j == k - 1)[None, :], ranked, 0.0), 1)
+        t = tl.where(count > 0, t, float("-inf"))
+        tl.store(t_ptr + head_row, t, mask=gmask)
+    if ZERO_HIST:
+        e = tl.arange(0, 512)
+        rows = head_row[:, None] * HIST_WIDTH + e[None, :]
+        zero_mask = gmask[:, None] & (e < HIST_WIDTH)[None, :]
+        tl.store(hist_ptr + rows, tl.zeros((BG, 512), tl.float64), mask=zero_mask)
+        tl.store(habs_ptr + rows, tl.zeros((BG, 512), tl.float64), mask=zero_mask)
+
+
+@triton.jit
+def _round_down_f32(t):
+    """fp64 ``t`` to fp32, rounding towards −inf."""
+    y = t.to(tl.float32)
+    bits = y.to(tl.int32, bitcast=True)
+    down = tl.where(y > 0, bits - 1, tl.where(y < 0, bits + 1, -2147483647))
+    return tl.where(y.to(tl.float64) > t, down.to(tl.float32, bitcast=True), y)
+
+
+@triton.jit
+def _certified_threshold_kernel(
+    hist_ptr, habs_ptr, ref_ptr, zlb_ptr, t_ptr, cert_ptr, sigma, eps_budget, rounding,
+    G: tl.constexpr, BG: tl.constexpr,
+):
+    """T per head: the largest edge whose certified dropped mass fits eps·Z_lb."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, BG)
+    gmask = g < G
+    head_row = b * tl.num_programs(1) * G + h * G + g
+    e = tl.arange(0, 512)
+    rows = head_row[:, None] * HIST_WIDTH + e[None, :]
+    emask = gmask[:, None] & (e < HIST_WIDTH)[None, :]
+    hist = tl.load(hist_ptr + rows, mask=emask, other=0.0)
+    habs = tl.load(habs_ptr + rows, mask=emask, other=0.0)
+    bound = tl.cumsum(hist, 1) + rounding * tl.cumsum(habs, 1)
+    z_lb = tl.load(zlb_ptr + head_row, mask=gmask, other=0.0)
+    ok = (bound <= (eps_budget * z_lb)[:, None]) & (e < EDGE_COUNT)[None, :]
+    edge = tl.max(tl.where(ok, e[None, :], -1), 1)
+    cert = tl.sum(tl.where(e[None, :] == edge[:, None], bound, 0.0), 1)
+    ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0)
+    t64 = ref.to(tl.float64) + (EDGE_LOW + EDGE_STEP * edge.to(tl.float64) - 1e-6) / sigma
+    t = _round_down_f32(t64)
+    t = tl.where((edge < 0) | (tl.abs(ref) == float("inf")) | (ref != ref), float("-inf"), t)
+    tl.store(t_ptr + head_row, t, mask=gmask)
+    tl.store(cert_ptr + head_row, tl.where(edge < 0, 0.0, cert), mask=gmask)
 
 
 @triton.jit
@@ -143,7 +189,8 @@ def _certified_hist_kernel(
         w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
         wq, step, err = quantize_weights(w, BITS)
         slots = page * P + tl.arange(0, P)
-        u = token_bounds(load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS), wq, step, err, offset)
+        codes = load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS, p < end)
+        u = token_bounds(codes, wq, step, err, offset)
         u = tl.minimum(u, pb[None, :])
         x_page = sigma * (pb.to(tl.float64) - ref)
         x_tok = sigma * (u.to(tl.float64) - ref[None, :])
@@ -163,13 +210,14 @@ def _certified_hist_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr,
-    t_ptr, gate_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr,
+    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma,
+    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT,
-    QHI: tl.constexpr, PV: tl.constexpr, KEEP_OUT: tl.constexpr,
+    BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, KEEP_OUT: tl.constexpr,
 ):
+    # Straight-line body (masks, no branches), so loads of the next page can be issued early.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -186,7 +234,10 @@ def _attend_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.float32)
     t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
-    gate_t = tl.load(gate_ptr + head_row, mask=gmask, other=float("inf"))
+    if GATE:  # candidates clearly below T skip their V read (budget and fixed policies)
+        gate_t = t - 1e-4 * (tl.abs(t) + 1.0)
+    else:
+        gate_t = tl.full((BG,), float("-inf"), tl.float32)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0)
     m_i = tl.full((BG,), float("-inf"), tl.float32)
     l_i = tl.zeros((BG,), tl.float32)
@@ -195,60 +246,63 @@ def _attend_kernel(
     n_skip = tl.zeros((BG,), tl.int32)
     dropped = tl.zeros((BG,), tl.float32)
     gated = tl.zeros((BG,), tl.float32)
-    n_union = 0
-    n_values = 0
-    n_read = 0
+    n_union = tl.zeros((P,), tl.int32)
+    n_values = tl.zeros((P,), tl.int32)
+    n_read = tl.zeros((BG,), tl.int32)
     p0 = s * SPLIT
-    for p in range(p0, tl.minimum(p0 + SPLIT, pages)):
-        page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
+    for p in range(p0, p0 + SPLIT):
+        # Scalar conditions are broadcast to vectors before they meet vector masks.
+        page = tl.load(table_ptr + b * stride_tb + p, mask=p < pages, other=0).to(tl.int64)
         slots = page * P + tok
-        keep = ((p * P + tok) < seq_len)[:, None] & gmask[None, :]
-        indexed = (p >= first) & (p < end)
-        if indexed:
-            w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
-            keep_page = (pb >= t) | (pb != pb)
-            skip = gmask & ~keep_page
-            n_skip += skip.to(tl.int32)
-            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
-            keep = keep & keep_page[None, :]
-            if tl.max(keep_page.to(tl.int32), 0) > 0:
-                n_read += 1
-                wq, step, err = quantize_weights(w, BITS)
-                u = token_bounds(load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS),
-                                 wq, step, err, offset)
-                keep = keep & ((u >= t[None, :]) | (u != u))
-                out = keep_page[None, :] & ~keep & gmask[None, :]
-                dropped += tl.sum(tl.where(out, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+        valid = (p * P + tok) < seq_len
+        idx_tok = valid & (p + 0 * tok >= first) & (p + 0 * tok < end)
+        idx_g = gmask & (p + 0 * g >= first) & (p + 0 * g < end)
+        idx_dim = (p + 0 * dim >= first) & (p + 0 * dim < end)
+        meta = page * stride_ms + h * stride_mh + dim
+        lo = tl.load(lo_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
+        sc = tl.load(sc_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
+        rad = tl.load(rad_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
+        w, offset, pb = page_terms(q, lo, sc, rad, D, BITS)
+        keep_page = ((pb >= t) | (pb != pb)) & idx_g
+        skip = idx_g & (keep_page == 0)
+        n_skip += skip.to(tl.int32)
+        dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+        read = tl.max(keep_page.to(tl.int32), 0) > 0
+        n_read += tl.where(g == 0, read.to(tl.int32), 0)
+        wq, step, err = quantize_weights(w, BITS)
+        codes = load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS, read)
+        u = token_bounds(codes, wq, step, err, offset)
+        keep_idx = keep_page[None, :] & ((u >= t[None, :]) | (u != u)) & valid[:, None]
+        lost = keep_page[None, :] & (keep_idx == 0) & valid[:, None]
+        dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+        keep = tl.where(idx_tok[:, None], keep_idx, valid[:, None] & gmask[None, :])
         row = tl.max(keep.to(tl.int32), 1) > 0
-        if tl.sum(row.to(tl.int32), 0) > 0:
-            keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
-                           mask=row[:, None], other=0.0)
-            sc = exact_scores(keys, q, QHI)
-            page_gate = tl.where(indexed, gate_t, float("-inf"))  # dense rows are never gated
-            att = keep & (sc >= page_gate[None, :])
-            gated += tl.sum(tl.where(keep & ~att, tl.exp(sigma * (sc - ref[None, :])), 0.0), 0)
-            x = tl.where(att, sigma * sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            prob = tl.exp(x - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(prob, 0)
-            vrow = tl.max(att.to(tl.int32), 1) > 0
-            vals = tl.load(v_ptr + slots[:, None] * stride_vs + h * stride_vh + dv[None, :],
-                           mask=vrow[:, None], other=0.0)
-            if PV == tl.float32:
-                acc = acc * alpha[:, None] + tl.dot(tl.trans(prob), vals, input_precision="ieee")
-            else:
-                acc = tl.dot(tl.trans(prob).to(PV), vals, acc=acc * alpha[:, None], out_dtype=tl.float32)
-            m_i = m_new
-            if indexed:
-                n_att += tl.sum(att.to(tl.int32), 0)
-                n_union += tl.sum(row.to(tl.int32), 0)
-                n_values += tl.sum(vrow.to(tl.int32), 0)
-            if KEEP_OUT:
-                pos = p * P + tok
-                tl.store(keep_ptr + (head_row[None, :] * stride_kb) + pos[:, None], att.to(tl.int8),
-                         mask=gmask[None, :])
+        keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
+                       mask=row[:, None], other=0.0)
+        sc_exact = exact_scores(keys, q, QHI)
+        page_gate = tl.where(idx_tok[:, None], gate_t[None, :], float("-inf"))  # dense rows: no gate
+        att = keep & (sc_exact >= page_gate)
+        gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
+        x = tl.where(att, sigma * sc_exact, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        prob = tl.exp(x - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(prob, 0)
+        vrow = tl.max(att.to(tl.int32), 1) > 0
+        vals = tl.load(v_ptr + slots[:, None] * stride_vs + h * stride_vh + dv[None, :],
+                       mask=vrow[:, None], other=0.0)
+        if PV == tl.float32:
+            acc = acc * alpha[:, None] + tl.dot(tl.trans(prob), vals, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(prob).to(PV), vals, acc=acc * alpha[:, None], out_dtype=tl.float32)
+        m_i = m_new
+        n_att += tl.sum((att & idx_tok[:, None]).to(tl.int32), 0)
+        n_union += (row & idx_tok).to(tl.int32)
+        n_values += (vrow & idx_tok).to(tl.int32)
+        if KEEP_OUT:
+            tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
+                     mask=gmask[None, :] & valid[:, None])
     split_row = (b * n_heads_kv + h) * tl.num_programs(2) + s
     tl.store(m_ptr + split_row * BG + g, m_i)
     tl.store(l_ptr + split_row * BG + g, l_i)
@@ -256,11 +310,47 @@ def _attend_kernel(
     counts = count_ptr + split_row * 5 * BG + g
     tl.store(counts, n_att)
     tl.store(counts + BG, n_skip)
-    tl.store(counts + 2 * BG, tl.where(g == 0, n_union, 0))
-    tl.store(counts + 3 * BG, tl.where(g == 0, n_values, 0))
-    tl.store(counts + 4 * BG, tl.where(g == 0, n_read, 0))
+    tl.store(counts + 2 * BG, tl.where(g == 0, tl.sum(n_union, 0), 0))
+    tl.store(counts + 3 * BG, tl.where(g == 0, tl.sum(n_values, 0), 0))
+    tl.store(counts + 4 * BG, n_read)
     tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
     tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
+
+
+@triton.jit
+def _merge_kernel(
+    m_ptr, l_ptr, o_ptr, ref_ptr, out_ptr, zatt_ptr, stride_ob, stride_oh, sigma, S,
+    G: tl.constexpr, BG: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the splits' softmax states of one (request, query head) into the output."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    h = head // G
+    g = head % G
+    dv = tl.arange(0, DV)
+    base = (b * (tl.num_programs(1) // G) + h) * S
+    top = float("-inf")
+    for s0 in range(0, S, BLOCK_S):
+        si = s0 + tl.arange(0, BLOCK_S)
+        ms = tl.load(m_ptr + (base + si) * BG + g, mask=si < S, other=float("-inf"))
+        top = tl.maximum(top, tl.max(ms, 0))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    den = 0.0
+    num = tl.zeros((DV,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        si = s0 + tl.arange(0, BLOCK_S)
+        ms = tl.load(m_ptr + (base + si) * BG + g, mask=si < S, other=float("-inf"))
+        w = tl.exp(ms - top_safe)
+        keep = (si < S) & (w > 0)
+        ls = tl.load(l_ptr + (base + si) * BG + g, mask=keep, other=0.0)
+        den += tl.sum(ls * w, 0)
+        os = tl.load(o_ptr + ((base + si) * BG + g)[:, None] * DV + dv[None, :], mask=keep[:, None], other=0.0)
+        num += tl.sum(os * w[:, None], 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dv, (num / den).to(out_ptr.dtype.element_ty))
+    row = b * tl.num_programs(1) + head
+    ref = tl.load(ref_ptr + row)
+    z = den.to(tl.float64) * tl.exp(top_safe.to(tl.float64) - sigma * ref.to(tl.float64))
+    tl.store(zatt_ptr + row, tl.where(top == float("-inf"), 0.0, z))
 
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -283,8 +373,10 @@ def _kv_dtype(k_cache: torch.Tensor):
 
 
 def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float, page_size: int,
-               sink_pages: int, recent_pages: int, launch: TritonLaunch = TritonLaunch()) -> None:
-    """Reference score, Z_lb and sample scores of a decode batch.
+               sink_pages: int, recent_pages: int, launch: TritonLaunch = TritonLaunch(),
+               budget_threshold=None, budget: float = 0.0, hist=None, habs=None) -> None:
+    """Reference score, Z_lb and sample scores of a decode batch (and optionally the budget T,
+    and zeroed certified histograms).
 
     Args:
         q: ``[B, H_q, D]`` queries (fp16/bf16/fp32, last dim contiguous).
@@ -292,21 +384,29 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
             seq_lens: ``[B]`` int32/int64 tokens per request (>= 1).
         ref: ``[B, H_q]`` fp32 out; z_lb: ``[B, H_q]`` fp64 out; sample: ``[B, H_q, M]`` fp32 out
             (scores of the evenly spaced sample, −inf padded; M = sample size).
+        budget_threshold: optional ``[B, H_q]`` fp32 out: the budget policy's T for fraction
+            ``budget`` (the max(1, floor(f·count))-th largest sample score).
+        hist, habs: optional ``[B, H_q, 259]`` fp64 histograms to zero for ``certified_hist``.
     """
     batch, heads, dim = q.shape
     h_kv = k_cache.shape[1]
     groups = heads // h_kv
+    m = sample.shape[-1]
     _exact_part_kernel[(batch, h_kv)](
         q, k_cache, page_table, seq_lens, ref, z_lb, sample,
+        budget_threshold if budget_threshold is not None else ref, hist if hist is not None else z_lb,
+        habs if habs is not None else z_lb,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), float(sigma),
+        float(budget),
         P=page_size, D=dim, G=groups, BG=block_g(groups, launch), SINK=sink_pages, RECENT=recent_pages,
-        M=sample.shape[-1], BLOCK_T=launch.exact_block, QHI=_kv_dtype(k_cache), num_warps=launch.exact_warps,
+        M=m, MP=triton.next_power_of_2(m), BLOCK_T=launch.exact_block, QHI=_kv_dtype(k_cache),
+        BUDGET=budget_threshold is not None, ZERO_HIST=hist is not None, num_warps=launch.exact_warps,
     )
 
 
 def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma: float, page_size: int,
                    bits: int, sink_pages: int, recent_pages: int, launch: TritonLaunch = TritonLaunch()) -> None:
-    """Accumulate the certified histograms (callers zero them first).
+    """Accumulate the certified histograms (zeroed by ``exact_part``).
 
     Args:
         index: grid tensors ``lo``/``scale``/``radius`` ``[num_pages, H_kv, D]`` and ``codes``
@@ -329,20 +429,39 @@ def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma:
     )
 
 
-def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, gate, ref, m, l, o, counts,
+def certified_threshold(hist, habs, ref, z_lb, threshold, certificate, sigma: float, eps_budget: float,
+                        rounding: float, h_kv: int, launch: TritonLaunch = TritonLaunch()) -> None:
+    """Certified T per head from the histograms.
+
+    Args:
+        hist, habs: ``[B, H_q, 259]`` fp64 from ``certified_hist``; ref ``[B, H_q]`` fp32; z_lb
+            ``[B, H_q]`` fp64. threshold: ``[B, H_q]`` fp32 out (−inf where no edge fits);
+            certificate: ``[B, H_q]`` fp64 out: the certified dropped mass relative to ref.
+        eps_budget: eps times the fp64 safety factor; rounding: relative bound on the
+            histograms' fp64 rounding (added as rounding · Σ|terms|).
+    """
+    batch, heads = ref.shape
+    groups = heads // h_kv
+    _certified_threshold_kernel[(batch, h_kv)](
+        hist, habs, ref, z_lb, threshold, certificate, float(sigma), float(eps_budget), float(rounding),
+        G=groups, BG=block_g(groups, launch), num_warps=launch.hist_warps,
+    )
+
+
+def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, ref, m, l, o, counts,
            mass, sigma: float, page_size: int, bits: int, sink_pages: int, recent_pages: int,
-           launch: TritonLaunch = TritonLaunch(), attended=None) -> None:
+           gate: bool, launch: TritonLaunch = TritonLaunch(), attended=None) -> None:
     """Fused filter and sparse split-K attention.
 
     Args:
         q, k_cache, page_table, seq_lens, index: as in ``exact_part`` / ``certified_hist``;
             v_cache ``[num_slots, H_kv, D_v]``.
-        threshold, gate, ref: ``[B, H_q]`` fp32: T (keys whose bound reaches it are candidates),
-            the value gate (candidates scoring below it skip V; −inf: no gate) and ref.
+        threshold, ref: ``[B, H_q]`` fp32: T (keys whose bound reaches it are candidates) and ref.
+        gate: candidates scoring clearly below T skip their V read (budget and fixed policies).
         m, l: ``[B, H_kv, S, BG]`` fp32 out: running max (σ·score units) and softmax sum per split.
         o: ``[B, H_kv, S, BG, D_v]`` fp32 out: unnormalised output per split.
-        counts: ``[B, H_kv, S, 5, BG]`` int32 out: attended keys and skipped pages per head, then
-            (in column 0) union candidates, V rows read and pages whose codes were read.
+        counts: ``[B, H_kv, S, 5, BG]`` int32 out: attended keys, skipped pages and pages whose
+            codes were read per head, then (in column 0) union candidates and V rows read.
         mass: ``[B, H_kv, S, 2, BG]`` fp32 out: index-dropped and value-gated mass relative to ref.
         attended: optional ``[B, H_q, W * P]`` int8 out (callers zero it): 1 for every token
             position attended (for tests and audits; the fast path leaves it None).
@@ -356,12 +475,27 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, ga
     kv = _kv_dtype(k_cache)
     _attend_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"],
-        threshold, gate, ref, m, l, o, counts, mass, attended if attended is not None else counts,
+        threshold, ref, m, l, o, counts, mass, attended if attended is not None else counts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0), index["codes"].stride(1),
-        attended.stride(1) if attended is not None else 0, float(sigma),
+        attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split,
         P=page_size, D=dim, DV=d_v, G=groups, BG=block_g(groups, launch), BITS=bits,
-        SINK=sink_pages, RECENT=recent_pages, SPLIT=launch.pages_per_split, QHI=kv, PV=kv,
-        KEEP_OUT=attended is not None,
+        SINK=sink_pages, RECENT=recent_pages, QHI=kv, PV=kv, GATE=gate, KEEP_OUT=attended is not None,
         num_warps=launch.attend_warps, num_stages=launch.attend_stages,
+    )
+
+
+def merge(m, l, o, ref, out, z_att, sigma: float, launch: TritonLaunch = TritonLaunch()) -> None:
+    """Merge split states into the output.
+
+    Args:
+        m, l, o: from ``attend``. ref: ``[B, H_q]`` fp32.
+        out: ``[B, H_q, D_v]`` (any float dtype, last dim contiguous) out.
+        z_att: ``[B, H_q]`` fp64 out: attended softmax mass relative to exp(σ·ref).
+    """
+    batch, h_kv, splits, bg = m.shape
+    heads, d_v = out.shape[1], out.shape[2]
+    _merge_kernel[(batch, heads)](
+        m, l, o, ref, out, z_att, out.stride(0), out.stride(1), float(sigma), splits,
+        G=heads // h_kv, BG=bg, DV=d_v, BLOCK_S=launch.merge_block, num_warps=launch.merge_warps,
     )

@@ -20,6 +20,7 @@ class TritonLaunch:
     exact_block: tokens per tile in the exact-part kernel (dense part and sample).
     exact_warps: num_warps of the exact-part kernel.
     build_warps: num_warps of the page-build kernel.
+    merge_block, merge_warps: splits per tile and num_warps of the split-merge kernel.
     min_block_g: smallest query-head tile (tl.dot needs >= 16 rows).
     """
 
@@ -30,6 +31,8 @@ class TritonLaunch:
     exact_block: int = 64
     exact_warps: int = 4
     build_warps: int = 4
+    merge_block: int = 16
+    merge_warps: int = 4
     min_block_g: int = 16
 
     def __post_init__(self) -> None:
@@ -37,7 +40,8 @@ class TritonLaunch:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"launch parameter {f.name} must be a positive int, got {value!r}")
-        for name in ("attend_warps", "hist_warps", "exact_warps", "build_warps", "exact_block", "min_block_g"):
+        for name in ("attend_warps", "hist_warps", "exact_warps", "build_warps", "exact_block", "min_block_g",
+                     "merge_block", "merge_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"launch parameter {name} must be a power of two, got {value}")

@@ -1,10 +1,11 @@
 """The louver decode step on CUDA devices: Triton kernels, caller-owned buffers, no host sync.
 
-Order of work: ``exact_part`` (ref, Z_lb, sample) -> threshold (torch ops on the device; the
-certified policy runs the histogram kernel first) -> ``attend`` (fused filter and sparse split-K
-attention) -> merge of the splits and per-head statistics (torch ops on the device). Nothing reads
-a device value on the host and every buffer comes from a ``GpuWorkspace`` allocated once, so the
-step can be captured in a CUDA graph for a fixed batch size and page-table width.
+Launches: ``exact_part`` (ref, Z_lb, the sample, and the budget policy's T) -> for the certified
+policy ``certified_hist`` and ``certified_threshold`` -> ``attend`` (fused filter and sparse
+split-K attention) -> ``merge`` (splits into the output). Statistics are computed only when asked
+for. Nothing reads a device value on the host and every buffer comes from a ``GpuWorkspace``
+allocated once, so the step can be captured in a CUDA graph for a fixed batch size and page-table
+width.
 
 There are no candidate lists: each split gates its pages' tokens and attends the survivors in the
 same pass, so no list has a capacity to overflow and no dense fallback is needed for correctness
@@ -43,7 +44,8 @@ class GpuWorkspace:
     hist: torch.Tensor  # [Bmax, H_q, 259] fp64
     habs: torch.Tensor  # [Bmax, H_q, 259] fp64
     threshold: torch.Tensor  # [Bmax, H_q] fp32
-    gate: torch.Tensor  # [Bmax, H_q] fp32
+    certificate: torch.Tensor  # [Bmax, H_q] fp64
+    z_att: torch.Tensor  # [Bmax, H_q] fp64
     m: torch.Tensor  # [Bmax, H_kv, S, BG] fp32
     l: torch.Tensor  # [Bmax, H_kv, S, BG] fp32
     o: torch.Tensor  # [Bmax, H_kv, S, BG, D_v] fp32
@@ -66,7 +68,8 @@ class GpuWorkspace:
             sample=torch.empty(max_batch, heads_q, config.sample_size, **f32),
             hist=torch.zeros(max_batch, heads_q, th.EDGE_COUNT + 2, **f64),
             habs=torch.zeros(max_batch, heads_q, th.EDGE_COUNT + 2, **f64),
-            threshold=torch.empty(max_batch, heads_q, **f32), gate=torch.empty(max_batch, heads_q, **f32),
+            threshold=torch.empty(max_batch, heads_q, **f32), certificate=torch.zeros(max_batch, heads_q, **f64),
+            z_att=torch.empty(max_batch, heads_q, **f64),
             m=torch.empty(state, **f32), l=torch.empty(state, **f32),
             o=torch.empty(*state, head_dim_v, **f32),
             counts=torch.empty(max_batch, heads_kv, splits, 5, bg, dtype=torch.int32, device=device),
@@ -94,7 +97,8 @@ def louver_decode_gpu(
     workspace: GpuWorkspace | None = None,
     out: torch.Tensor | None = None,
     attended: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, StepStats]:
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, StepStats | None]:
     """One decode step on the GPU (grid family).
 
     Args:
@@ -104,11 +108,12 @@ def louver_decode_gpu(
         store: the grid page index on the same device (every full indexed page built).
         sigma: softmax scale. config: defaults to ``store.config``. launch: kernel launch parameters.
         workspace: caller-owned buffers (allocated here when omitted: not graph-safe).
-        out: caller-owned ``[B, H_q, D_v]`` output in q's dtype.
+        out: caller-owned ``[B, H_q, D_v]`` output (last dim contiguous).
         attended: optional zeroed ``[B, H_q, W * P]`` int8 buffer that receives the attended mask
             per token position (audits and tests).
+        with_stats: compute ``StepStats`` (a few extra device ops; serving asks only at log time).
 
-    Returns ``(out, StepStats)`` with every statistic left on the device; ``pages_read`` counts
+    Returns ``(out, StepStats or None)``; statistics stay on the device and ``pages_read`` counts
     (page, KV head) pairs whose codes were read.
     """
     config = config or store.config
@@ -121,41 +126,25 @@ def louver_decode_gpu(
         raise ValueError(f"workspace is for page tables {workspace.max_pages} wide, got {page_table.shape[1]}")
     ws = workspace.view(batch)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    layout = dict(page_size=config.page_size, sink_pages=config.sink_pages, recent_pages=config.recent_pages)
-    kern.exact_part(q, k_cache, page_table, seq_lens, ws.ref, ws.z_lb, ws.sample, sigma, launch=launch, **layout)
-    certificate = _threshold(q, page_table, seq_lens, store, ws, sigma, config, launch, layout)
-    ws.gate.copy_(th.gate_threshold(ws.threshold) if gates_values(config) else torch.full_like(ws.gate, -math.inf))
-    kern.attend(q, k_cache, v_cache, page_table, seq_lens, store.tensors, ws.threshold, ws.gate, ws.ref,
-                ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, bits=config.grid_bits, launch=launch,
-                attended=attended, **layout)
-    result, z_att = _merge(ws, heads, d_v, sigma)
     if out is None:
         out = torch.empty((batch, heads, d_v), dtype=q.dtype, device=q.device)
-    out.copy_(result)
-    return out, _stats(ws, seq_lens, heads, z_att, certificate, config)
-
-
-def _threshold(q, page_table, seq_lens, store, ws: GpuWorkspace, sigma, config: LouverConfig, launch, layout):
-    """Write T into ``ws.threshold``; returns the certified dropped-mass bound (relative to ref,
-    fp64 ``[B, H_q]``) for the certified policy, else None."""
-    batch, heads = ws.ref.shape
+    layout = dict(page_size=config.page_size, sink_pages=config.sink_pages, recent_pages=config.recent_pages)
+    certified = config.policy == "certified"
+    kern.exact_part(q, k_cache, page_table, seq_lens, ws.ref, ws.z_lb, ws.sample, sigma, launch=launch,
+                    budget_threshold=ws.threshold if config.policy == "budget" else None, budget=config.budget,
+                    hist=ws.hist if certified else None, habs=ws.habs if certified else None, **layout)
     if config.policy in ("dense", "fixed"):
-        ws.threshold.copy_(th.static_threshold(config, batch, heads))
-        return None
-    if config.policy == "budget":
-        count = torch.clamp(indexed_tokens(seq_lens, config), max=config.sample_size)
-        ws.threshold.copy_(th.budget_threshold(ws.sample.transpose(1, 2), count, config.budget))
-        return None
-    ws.hist.zero_()
-    ws.habs.zero_()
-    kern.certified_hist(q, page_table, seq_lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma,
-                        bits=config.grid_bits, launch=launch, **layout)
-    bound = (ws.hist.cumsum(-1) + HIST_ROUNDING * ws.habs.cumsum(-1))[..., : th.EDGE_COUNT]
-    budget = config.eps * ws.z_lb * th.BUDGET_SAFETY
-    edge = th.pick_edge(bound, budget)
-    ws.threshold.copy_(th.edge_threshold(edge, ws.ref, sigma))
-    picked = torch.gather(bound, -1, edge.clamp(min=0).unsqueeze(-1))[..., 0]
-    return torch.where(edge < 0, 0.0, picked)
+        ws.threshold.fill_(-math.inf if config.policy == "dense" else config.fixed_threshold)
+    if certified:
+        kern.certified_hist(q, page_table, seq_lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma,
+                            bits=config.grid_bits, launch=launch, **layout)
+        kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma,
+                                 config.eps * th.BUDGET_SAFETY, HIST_ROUNDING, h_kv, launch)
+    kern.attend(q, k_cache, v_cache, page_table, seq_lens, store.tensors, ws.threshold, ws.ref,
+                ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, bits=config.grid_bits, gate=gates_values(config),
+                launch=launch, attended=attended, **layout)
+    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+    return out, (_stats(ws, seq_lens, heads, config) if with_stats else None)
 
 
 def indexed_tokens(seq_lens: torch.Tensor, config: LouverConfig) -> torch.Tensor:
@@ -166,31 +155,15 @@ def indexed_tokens(seq_lens: torch.Tensor, config: LouverConfig) -> torch.Tensor
     return (full - sink - recent) * config.page_size
 
 
-def _merge(ws: GpuWorkspace, heads: int, d_v: int, sigma: float):
-    """Merge split states: output ``[B, H_q, D_v]`` fp32 and the attended mass relative to ref."""
-    batch, h_kv, splits, _ = ws.m.shape
-    groups = heads // h_kv
-    m = ws.m[..., :groups].permute(0, 1, 3, 2).reshape(batch, heads, splits)
-    l = ws.l[..., :groups].permute(0, 1, 3, 2).reshape(batch, heads, splits)
-    o = ws.o[..., :groups, :].permute(0, 1, 3, 2, 4).reshape(batch, heads, splits, d_v)
-    top = m.amax(-1)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    w = torch.exp(m - top.unsqueeze(-1))
-    den = (l * w).sum(-1)
-    result = (o * w.unsqueeze(-1)).sum(2) / den.unsqueeze(-1)
-    z_att = den.double() * torch.exp(top.double() - sigma * ws.ref.double())
-    return result, z_att
-
-
-def _stats(ws: GpuWorkspace, seq_lens, heads: int, z_att, certificate, config: LouverConfig) -> StepStats:
+def _stats(ws: GpuWorkspace, seq_lens, heads: int, config: LouverConfig) -> StepStats:
     batch, h_kv = ws.counts.shape[:2]
     groups = heads // h_kv
     per_head = lambda x: x[..., :groups].sum(2).reshape(batch, heads)
-    z_final = torch.maximum(ws.z_lb, z_att)
+    z_final = torch.maximum(ws.z_lb, ws.z_att)
     if config.policy == "dense":
         dropped = torch.zeros_like(z_final)
-    elif certificate is not None:
-        dropped = certificate
+    elif config.policy == "certified":
+        dropped = ws.certificate
     else:
         dropped = per_head(ws.mass[:, :, :, 0]).double() + per_head(ws.mass[:, :, :, 1]).double()
     counts = ws.counts.long()

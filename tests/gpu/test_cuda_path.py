@@ -1,0 +1,79 @@
+"""Bookkeeping of the backend's CUDA decode path (page table, completed-page builds, buffers).
+
+Runs the Triton kernels under ``TRITON_INTERPRET=1`` without CUDA, natively with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
+from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
+from louver_sgl.decode.gpu import louver_decode_gpu  # noqa: E402
+from louver_sgl.index import grid  # noqa: E402
+from louver_sgl.serving.cuda_path import CudaDecodePath  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+P = 16
+
+
+def _pool(lens, max_context=256, h_kv=2, dim=64, seed=0):
+    """A KV pool, a req_to_token map with shuffled pages (rows 1.. used) and the request rows."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = sum(math.ceil(max_context / P) for _ in lens) + 1
+    k = torch.randn(pages * P, h_kv, dim, generator=gen).half()
+    v = torch.randn(pages * P, h_kv, dim, generator=gen).half()
+    perm = torch.randperm(pages - 1, generator=gen) + 1  # page 0 stays a dummy
+    req_to_token = torch.zeros(len(lens) + 1, max_context, dtype=torch.int32)
+    per = math.ceil(max_context / P)
+    for r in range(len(lens)):
+        row_pages = perm[r * per:(r + 1) * per]
+        req_to_token[r + 1] = (row_pages[:, None] * P + torch.arange(P)).reshape(-1)[:max_context].int()
+    return k.to(DEVICE), v.to(DEVICE), req_to_token.to(DEVICE), torch.arange(1, len(lens) + 1, device=DEVICE)
+
+
+def test_prepare_decode_and_address_stability():
+    config = LouverConfig(page_size=P, policy="budget", budget=0.2, sample_size=32)
+    lens = torch.tensor([200, 33, 129], dtype=torch.int32, device=DEVICE)
+    k, v, req_to_token, rows = _pool(lens.tolist())
+    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE)
+    store.build_pages(k.cpu(), torch.arange(store.num_pages)) if DEVICE == "cpu" else \
+        store.build_pages(k, torch.arange(store.num_pages, device=DEVICE))
+    path = CudaDecodePath(config, TritonLaunch(pages_per_split=4), 256, 6, 2, 64, DEVICE)
+    path.init_graph_state(8)
+    addresses = (path.buffers.page_table.data_ptr(), path.buffers.workspace.o.data_ptr())
+    bs = path.prepare(req_to_token, rows, lens)
+    assert bs == 3 and (path.buffers.page_table.data_ptr(), path.buffers.workspace.o.data_ptr()) == addresses
+    want_table = (req_to_token[rows.long(), ::P] // P)
+    assert torch.equal(path.buffers.page_table[:3, : want_table.shape[1]].long(), want_table.long())
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    out = torch.empty_like(q)
+    path.decode(q, k, v, store, 0.125, out, bs)
+    direct, _ = louver_decode_gpu(q, k, v, want_table.int(), lens, store, 0.125, config,
+                                  TritonLaunch(pages_per_split=4))
+    torch.testing.assert_close(out, direct, atol=0, rtol=0)
+
+
+def test_build_completed_builds_only_finished_pages():
+    config = LouverConfig(page_size=P)
+    lens = torch.tensor([32, 33, 48], dtype=torch.int32, device=DEVICE)  # requests 0 and 2 finish a page
+    k, v, req_to_token, rows = _pool(lens.tolist())
+    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE)
+    path = CudaDecodePath(config, TritonLaunch(), 256, 6, 2, 64, DEVICE)
+    path.init_graph_state(4)
+    last = req_to_token[rows.long(), (lens - 1).long()]
+    path.build_completed(store, k, last, lens)
+    built = (store.tensors["scale"] != 0).flatten(1).any(1).cpu()
+    want = torch.zeros_like(built)
+    want[(last.long() // P)[torch.tensor([0, 2])].cpu()] = True
+    assert torch.equal(built, want)
+    page = int(last[0]) // P
+    ref = grid.build_grid(k.cpu().view(-1, P, 2, 64)[[page]], 8, torch.float16)
+    assert torch.equal(store.tensors["lo"][page].cpu(), ref["lo"][0])
+    assert torch.equal(store.tensors["codes"].view(-1, P, 2, 64)[page].cpu(), ref["codes"][0])
