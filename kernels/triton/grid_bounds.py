@@ -86,7 +86,8 @@ def load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D: tl.constexpr, BITS:
 @triton.jit
 def token_bounds(codes, wq, step, err, offset):
     """Token upper bounds ``[P, BG]`` fp32 from codes ``[P, D]`` fp16 and ``quantize_weights``."""
-    acc = tl.dot(codes, tl.trans(wq), out_dtype=tl.float32)  # exact integers
+    # Query heads as the M side (16 rows): an mma tile that pipelines on every GPU generation.
+    acc = tl.trans(tl.dot(wq, tl.trans(codes), out_dtype=tl.float32))  # exact integers
     return offset[None, :] + step[None, :] * acc + err[None, :]
 
 
@@ -109,10 +110,11 @@ def exact_scores(keys, q, QHI_DTYPE: tl.constexpr):
     fp16/bf16 keys: q is split into a high and a low part in the key dtype, so both tensor-core
     products are exact and the result carries fp32-level error; fp32 keys use an fp32 dot.
     """
+    keys_t = tl.trans(keys)
     if QHI_DTYPE == tl.float32:
-        return tl.dot(keys, tl.trans(q), input_precision="ieee")
+        return tl.trans(tl.dot(q, keys_t, input_precision="ieee"))
     else:
         q_hi = q.to(QHI_DTYPE)
         q_lo = (q - q_hi.to(tl.float32)).to(QHI_DTYPE)
-        s = tl.dot(keys, tl.trans(q_hi), out_dtype=tl.float32)
-        return tl.dot(keys, tl.trans(q_lo), acc=s, out_dtype=tl.float32)
+        s = tl.dot(q_hi, keys_t, out_dtype=tl.float32)
+        return tl.trans(tl.dot(q_lo, keys_t, acc=s, out_dtype=tl.float32))
