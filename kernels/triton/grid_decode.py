@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    exact_scores, load_codes, load_page_terms, page_terms, quantize_weights, request_layout, token_bounds,
+    exact_scores, load_codes, load_page_terms, quantize_weights, request_layout, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -102,10 +102,14 @@ def _exact_part_kernel(
     tl.store(ref_ptr + head_row, m, mask=gmask)
     tl.store(zlb_ptr + head_row, z * (1.0 - 1e-9), mask=gmask)  # covers the fp64 rounding
     if BUDGET:  # T = the max(1, floor(f·count))-th largest sample score
-        ranked = tl.sort(tl.trans(s), 1, descending=True)  # [BG, MP]
-        k = tl.maximum(tl.floor(count.to(tl.float64) * budget), 1.0).to(tl.int64)
-        k = tl.minimum(k, MP)
-        t = tl.sum(tl.where((j == k - 1)[None, :], ranked, 0.0), 1)
+        # remove the k − 1 largest (one instance each, so ties count), then take the max:
+        # k <= f·M passes over the tile are much cheaper than a sort
+        work = tl.trans(s)  # [BG, MP]
+        k = tl.maximum(tl.floor(count.to(tl.float64) * budget), 1.0).to(tl.int32)
+        for _ in range(1, k):
+            top = tl.argmax(work, 1)
+            work = tl.where(j[None, :] == top[:, None], float("-inf"), work)
+        t = tl.max(work, 1)
         t = tl.where(count > 0, t, float("-inf"))
         tl.store(t_ptr + head_row, t, mask=gmask)
     if ZERO_HIST:
@@ -217,7 +221,8 @@ def _attend_kernel(
     BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, KEEP_OUT: tl.constexpr,
 ):
-    # Straight-line body (masks, no branches), so loads of the next page can be issued early.
+    # Work is skipped where nothing survives: a skipped page reads no codes, a page without
+    # candidates reads no keys, a key no head attends reads no value.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -250,59 +255,57 @@ def _attend_kernel(
     n_values = tl.zeros((P,), tl.int32)
     n_read = tl.zeros((BG,), tl.int32)
     p0 = s * SPLIT
-    for p in range(p0, p0 + SPLIT):
-        # Scalar conditions are broadcast to vectors before they meet vector masks.
-        page = tl.load(table_ptr + b * stride_tb + p, mask=p < pages, other=0).to(tl.int64)
+    for p in range(p0, tl.minimum(p0 + SPLIT, pages)):
+        page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
         slots = page * P + tok
         valid = (p * P + tok) < seq_len
-        idx_tok = valid & (p + 0 * tok >= first) & (p + 0 * tok < end)
-        idx_g = gmask & (p + 0 * g >= first) & (p + 0 * g < end)
-        idx_dim = (p + 0 * dim >= first) & (p + 0 * dim < end)
-        meta = page * stride_ms + h * stride_mh + dim
-        lo = tl.load(lo_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
-        sc = tl.load(sc_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
-        rad = tl.load(rad_ptr + meta, mask=idx_dim, other=0.0).to(tl.float32)
-        w, offset, pb = page_terms(q, lo, sc, rad, D, BITS)
-        keep_page = ((pb >= t) | (pb != pb)) & idx_g
-        skip = idx_g & (keep_page == 0)
-        n_skip += skip.to(tl.int32)
-        dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
-        read = tl.max(keep_page.to(tl.int32), 0) > 0
-        n_read += tl.where(g == 0, read.to(tl.int32), 0)
-        wq, step, err = quantize_weights(w, BITS)
-        codes = load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS, read)
-        u = token_bounds(codes, wq, step, err, offset)
-        keep_idx = keep_page[None, :] & ((u >= t[None, :]) | (u != u)) & valid[:, None]
-        lost = keep_page[None, :] & (keep_idx == 0) & valid[:, None]
-        dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
-        keep = tl.where(idx_tok[:, None], keep_idx, valid[:, None] & gmask[None, :])
+        keep = valid[:, None] & gmask[None, :]  # dense rows: every valid token
+        page_gate = tl.full((BG,), float("-inf"), tl.float32)
+        is_idx = ((p >= first) & (p < end)).to(tl.int32)
+        if is_idx > 0:  # indexed page: page bound, then token bounds where the page survives
+            w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
+            keep_page = ((pb >= t) | (pb != pb)) & gmask
+            skip = gmask & (keep_page == 0)
+            n_skip += skip.to(tl.int32)
+            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+            keep = keep & keep_page[None, :]
+            page_gate = gate_t
+            if tl.max(keep_page.to(tl.int32), 0) > 0:
+                n_read += tl.where(g == 0, 1, 0)
+                wq, step, err = quantize_weights(w, BITS)
+                codes = load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS, p < end)
+                u = token_bounds(codes, wq, step, err, offset)
+                keep_tok = keep & ((u >= t[None, :]) | (u != u))
+                lost = keep & (keep_tok == 0)
+                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+                keep = keep_tok
         row = tl.max(keep.to(tl.int32), 1) > 0
-        keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
-                       mask=row[:, None], other=0.0)
-        sc_exact = exact_scores(keys, q, QHI)
-        page_gate = tl.where(idx_tok[:, None], gate_t[None, :], float("-inf"))  # dense rows: no gate
-        att = keep & (sc_exact >= page_gate)
-        gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
-        x = tl.where(att, sigma * sc_exact, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        prob = tl.exp(x - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(prob, 0)
-        vrow = tl.max(att.to(tl.int32), 1) > 0
-        vals = tl.load(v_ptr + slots[:, None] * stride_vs + h * stride_vh + dv[None, :],
-                       mask=vrow[:, None], other=0.0)
-        if PV == tl.float32:
-            acc = acc * alpha[:, None] + tl.dot(tl.trans(prob), vals, input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(prob).to(PV), vals, acc=acc * alpha[:, None], out_dtype=tl.float32)
-        m_i = m_new
-        n_att += tl.sum((att & idx_tok[:, None]).to(tl.int32), 0)
-        n_union += (row & idx_tok).to(tl.int32)
-        n_values += (vrow & idx_tok).to(tl.int32)
-        if KEEP_OUT:
-            tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
-                     mask=gmask[None, :] & valid[:, None])
+        if tl.sum(row.to(tl.int32), 0) > 0:  # keys of candidates first
+            keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
+                           mask=row[:, None], other=0.0)
+            sc_exact = exact_scores(keys, q, QHI)
+            att = keep & (sc_exact >= page_gate[None, :])
+            gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
+            x = tl.where(att, sigma * sc_exact, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            prob = tl.exp(x - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(prob, 0)
+            vrow = tl.max(att.to(tl.int32), 1) > 0  # values only where some head attends
+            vals = tl.load(v_ptr + slots[:, None] * stride_vs + h * stride_vh + dv[None, :],
+                           mask=vrow[:, None], other=0.0)
+            if PV == tl.float32:
+                acc = acc * alpha[:, None] + tl.dot(tl.trans(prob), vals, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(prob).to(PV), vals, acc=acc * alpha[:, None], out_dtype=tl.float32)
+            m_i = m_new
+            n_att += tl.sum(att.to(tl.int32), 0) * is_idx
+            n_union += row.to(tl.int32) * is_idx
+            n_values += vrow.to(tl.int32) * is_idx
+            if KEEP_OUT:
+                tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
+                         mask=gmask[None, :] & valid[:, None])
     split_row = (b * n_heads_kv + h) * tl.num_programs(2) + s
     tl.store(m_ptr + split_row * BG + g, m_i)
     tl.store(l_ptr + split_row * BG + g, l_i)
