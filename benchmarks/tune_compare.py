@@ -15,23 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from datetime import date
 from pathlib import Path
 
 import optuna
 import torch
-from tqdm import tqdm
 from optuna.trial import TrialState
 
-from louver_sgl import LouverConfig
 from louver_sgl.profiles import Profile
+from louver_tuning.confirm import time_points
 from louver_tuning.cpu import CpuTarget
-from louver_tuning.study import TuneSettings, default_trace_loader, make_objective
-from louver_tuning.space import build_space
 from louver_tuning.storage import open_storage
-from louver_tuning.target import TimedPoint
+from louver_tuning.study import TuneSettings
 
 
 def grid_point(storage: str, name: str, launch_names: set[str]) -> tuple[dict, dict, float, int]:
@@ -53,30 +49,6 @@ def trials_to_within(storage: str, name: str, target_value: float, tolerance: fl
                 reached = t.number + 1
     return {"study": name, "trials": len(study.trials), "best_value_ms": best_so_far,
             "trials_to_within_5pct_of_grid_best": reached}
-
-
-def time_points(points: dict, settings: TuneSettings, rounds: int) -> dict:
-    target = CpuTarget(settings.repeats, settings.warmup)
-    space = build_space(target.launch_space(), 1 << 30)
-    objective = make_objective(target, settings, default_trace_loader, None, space)
-    base = LouverConfig(policy=settings.policy, eps=settings.eps)
-    ms = {name: {g.name: [] for g in objective.groups} for name in points}
-    jobs = [(r, g, name) for r in range(rounds) for g in objective.groups for name in points]
-    for _, group, name in tqdm(jobs, desc="timing"):
-        config_over, launch = points[name]
-        config = base.with_(**config_over)
-        per_layer = []
-        for case in group.cases:
-            batch, store = objective.workload.get(case, config)
-            step = target.make_step(batch, store, config, launch)
-            per_layer.append(objective.timer(step, TimedPoint(case.name, config, launch)))
-        ms[name][group.name].append(sum(per_layer) / len(per_layer))
-    result = {}
-    for name, cases in ms.items():
-        med = {c: statistics.median(v) for c, v in cases.items()}
-        result[name] = {"config": points[name][0], "launch": points[name][1], "case_ms": med,
-                        "geomean_ms": math.exp(sum(math.log(x) for x in med.values()) / len(med))}
-    return result
 
 
 def main() -> None:
@@ -101,7 +73,7 @@ def main() -> None:
         extra["grid"] = {"study": args.grid_study, "points": n, "best_value_ms": value}
         if args.tpe_study:
             extra["tpe_small_space"] = trials_to_within(args.storage, args.tpe_study, value)
-    timed = time_points(points, settings, args.rounds)
+    timed = time_points(CpuTarget(settings.repeats, settings.warmup), settings, points, args.rounds)
     result = {"date": str(date.today()), "command": "python -m benchmarks.tune_compare " + " ".join(sys.argv[1:]),
               "machine": {"device": profile.device_name, "threads": torch.get_num_threads(), "torch": torch.__version__},
               "profile": args.profile, "settings": s, "rounds": args.rounds, "points": timed, **extra}

@@ -15,7 +15,8 @@ def test_short_cpu_tuning_run(tmp_path, capsys):
     ensure_traces([2048], text="paul_graham")
     storage = f"sqlite:///{tmp_path}/tune.db"
     args = ["tune", "--target", "cpu", "--storage", storage, "--study-name", "ci", "--cases", "2048x1", "2048x2",
-            "--layers", "21", "--validation", "2048x1", "--trials", "4", "--repeats", "2", "--export", str(tmp_path)]
+            "--layers", "21", "--validation", "2048x1", "--trials", "4", "--repeats", "2", "--export", str(tmp_path),
+            "--confirm-top", "2", "--confirm-rounds", "1"]
     assert cli_main(args) == 0
     study = optuna.load_study(storage=storage, study_name="ci")
     assert len(study.trials) == 4 and study.trials[0].user_attrs["role"] == "defaults"
@@ -25,5 +26,6 @@ def test_short_cpu_tuning_run(tmp_path, capsys):
     profile = Profile.load(path)
     assert profile.target == "cpu" and profile.shapes.num_q_heads == 9 and profile.shapes.head_dim == 64
     assert profile.measured["defaults"]["case_ms"].keys() == {"2048x1", "2048x2"}
+    assert profile.measured["confirmation"]["winner"] == profile.measured["tuned"]["trial"]
     assert (tmp_path / f"{path.stem}.history.png").is_file()
     assert cli_main(["list"]) == 0

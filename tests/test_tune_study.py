@@ -14,6 +14,7 @@ from louver_sgl.data.paged import paged_batch
 from louver_sgl.decode import louver_decode
 from louver_sgl.profiles import Profile
 from louver_tuning.cli import main as cli_main
+from louver_tuning.confirm import confirm_best
 from louver_tuning.cpu import CpuTarget
 from louver_tuning.space import build_space
 from louver_tuning.study import RunOptions, TuneSettings, run_tune, study_profile
@@ -135,7 +136,8 @@ def test_export_writes_a_valid_profile(tmp_path, capsys):
     assert (profile.shapes.head_dim, profile.shapes.num_q_heads, profile.shapes.num_kv_heads) == (D, H_Q, H_KV)
     assert profile.shapes.context_lengths == (LENGTH,) and profile.shapes.batch_sizes == (1, 2)
     out = tmp_path / "p.json"
-    assert cli_main(["export", "--storage", f"sqlite:///{tmp_path}/t.db", "--study-name", "e", "--out", str(out)]) == 0
+    assert cli_main(["export", "--storage", f"sqlite:///{tmp_path}/t.db", "--study-name", "e", "--out", str(out),
+                    "--confirm-top", "0"]) == 0
     loaded = Profile.load(out)
     assert loaded.to_dict()["config"] == dict(profile.config)
     assert (tmp_path / "p.history.png").stat().st_size > 0
@@ -157,3 +159,16 @@ def test_check_step_catches_false_negatives(monkeypatch):
     stats.dense_fallback.zero_()
     with pytest.raises(ConstraintViolation, match="false negatives"):
         check_step(pb, store, config, out, stats)
+
+
+def test_confirmation_re_times_candidates_and_picks_the_fastest(tmp_path):
+    study = tune(tmp_path, sampler="tpe", trials=4, name="c")
+    target = CpuTarget(repeats=1, warmup=0)
+    result = confirm_best(study, target, {"chunk_pages", "num_threads"}, top=2, rounds=2, loader=synthetic_trace)
+    assert result["defaults"] == 0 and len(result["timed"]) in (2, 3)
+    timed = result["timed"]
+    assert result["winner"] == int(min(timed, key=lambda n: timed[n]["geomean_ms"]))
+    profile = study_profile(study, {"chunk_pages", "num_threads"}, result)
+    assert profile.measured["tuned"]["trial"] == result["winner"]
+    assert profile.measured["speedup_vs_defaults"] == pytest.approx(
+        timed["0"]["geomean_ms"] / timed[str(result["winner"])]["geomean_ms"])

@@ -53,6 +53,7 @@ class Tune:
         p.add_argument("--prune-ratio", type=float, default=r.prune_ratio,
                        help="prune a trial whose case latency exceeds this x the best trial's")
         p.add_argument("--export", metavar="DIR", help="export the profile (and plots) into DIR afterwards")
+        _confirm_args(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
         settings = TuneSettings(tuple(a.cases), a.text, tuple(a.layers), tuple(a.validation), a.validation_text,
@@ -63,7 +64,7 @@ class Tune:
                          a.storage, a.study_name)
         print(results_table(study))
         if a.export:
-            _export(study, target.launch_space().keys(), Path(a.export), None)
+            _export(study, target, Path(a.export), None, a)
         return 0
 
 
@@ -89,11 +90,13 @@ class Export:
         _study_args(p)
         p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="directory of <device key>.json")
         p.add_argument("--out", help="exact output file (overrides --out-dir)")
+        _confirm_args(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
         study = open_study(a.storage, _study_name(a), create=False)
-        target = get_target(study.user_attrs["target"])
-        _export(study, target.launch_space().keys(), Path(a.out_dir), Path(a.out) if a.out else None)
+        settings = study.user_attrs["settings"]
+        target = get_target(study.user_attrs["target"], settings["repeats"], settings["warmup"])
+        _export(study, target, Path(a.out_dir), Path(a.out) if a.out else None, a)
         return 0
 
 
@@ -135,8 +138,20 @@ def _study_name(a: argparse.Namespace) -> str:
     return names[0]
 
 
-def _export(study, launch_names, out_dir: Path, out: Path | None) -> None:
-    profile = study_profile(study, set(launch_names))
+def _confirm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--confirm-top", type=int, default=5,
+                   help="re-time this many best trials and the defaults interleaved before exporting (0: off)")
+    p.add_argument("--confirm-rounds", type=int, default=3)
+
+
+def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespace) -> None:
+    launch_names = set(target.launch_space())
+    confirmation = None
+    if a.confirm_top > 0:
+        from .confirm import confirm_best
+
+        confirmation = confirm_best(study, target, launch_names, a.confirm_top, a.confirm_rounds)
+    profile = study_profile(study, launch_names, confirmation)
     path = profile.write(out or out_dir / f"{profile_key(profile.target, profile.device_name)}.json")
     plots = write_plots(study, path.with_suffix(""))
     (path.with_suffix(".results.txt")).write_text(results_table(study, top=20) + "\n")

@@ -161,9 +161,16 @@ def best_and_defaults(study: optuna.Study) -> tuple[optuna.trial.FrozenTrial, op
     return min(complete, key=lambda t: t.value), defaults
 
 
-def study_profile(study: optuna.Study, launch_names: set[str]) -> Profile:
-    """The profile of the study's best complete trial, with defaults-vs-tuned from the same study."""
+def study_profile(study: optuna.Study, launch_names: set[str], confirmation: dict | None = None) -> Profile:
+    """The profile of the study's best complete trial, with defaults-vs-tuned from the same study;
+    with a ``confirmation`` (``confirm.confirm_best``) the re-timed winner and its same-run speedup."""
     best, defaults = best_and_defaults(study)
+    speedup = defaults.value / best.value if defaults else None
+    if confirmation is not None:
+        best = study.trials[confirmation["winner"]]
+        timed = confirmation["timed"]
+        if confirmation["defaults"] is not None:
+            speedup = timed[str(confirmation["defaults"])]["geomean_ms"] / timed[str(best.number)]["geomean_ms"]
     attrs = study.user_attrs
     params = {k: round(v, 6) if isinstance(v, float) else v for k, v in best.params.items()}  # 0.9000000000000001
     config = {k: v for k, v in params.items() if k not in launch_names}
@@ -175,7 +182,8 @@ def study_profile(study: optuna.Study, launch_names: set[str]) -> Profile:
         "objective": "geometric mean over cases of the decode-step latency (ms, mean over layers)",
         "tuned": _trial_summary(best),
         "defaults": _trial_summary(defaults) if defaults else None,
-        "speedup_vs_defaults": defaults.value / best.value if defaults else None,
+        "speedup_vs_defaults": speedup,
+        "confirmation": confirmation,
         "trials": counts, "study_name": study.study_name, "settings": attrs["settings"],
         "date": attrs.get("date"), "command": attrs.get("command"),
     }
