@@ -7,6 +7,10 @@ index already built by the first request. Lifecycle: any write into a page inval
 a page is built when it becomes full inside the forward that fills it (extend pages completed by
 ``[prefix_len, seq_len)``, decode when ``seq_len % P == 0``); a full page found unbuilt when read
 (pages written outside this backend, e.g. by tests) is built then.
+
+On CUDA devices decode runs the Triton step through ``CudaDecodePath`` (``cuda_path.py``): page
+table, completed-page builds and the step are static-shape device ops on address-stable buffers,
+so SGLang's decode CUDA graphs capture them (graph hooks below).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)))
         self._log_memory_estimate()
+        self.cuda_path = self._make_cuda_path(model_runner)
 
     def _resolve_options(self, model_runner):
         """Options over the tuned profile of this device and the served attention shapes."""
@@ -63,7 +68,43 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         target = "cpu" if k.device.type == "cpu" else "cuda"
         config, serving, selection = resolve_options(target, shapes)
         logger.info("%s", selection.message)
+        self.selection = selection
         return config, serving
+
+    def _make_cuda_path(self, model_runner):
+        """The graph-safe Triton decode path on CUDA devices; None on CPU."""
+        k = self.token_to_kv_pool.get_key_buffer(self._first_layer())
+        if k.device.type != "cuda":
+            return None
+        from .cuda_path import CudaDecodePath, cuda_launch
+
+        tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
+        heads_q = int(model_runner.model_config.num_attention_heads) // tp_size
+        v = self.token_to_kv_pool.get_value_buffer(self._first_layer())
+        launch = cuda_launch(self.selection.profile)
+        return CudaDecodePath(self.config, launch, int(model_runner.model_config.context_len), heads_q,
+                              int(k.shape[1]), int(v.shape[2]), k.device)
+
+    # ----- CUDA graphs (CUDA path only) ----------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if self.cuda_path is None:
+            return super().init_cuda_graph_state(max_bs, max_num_tokens)
+        self.cuda_path.init_graph_state(max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        super().init_forward_metadata(forward_batch)
+        self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        """Page table and lengths of a decode batch: static-shape device ops, recorded in the
+        decode graph and replayed on the runner's input buffers."""
+        if self.cuda_path is not None and forward_batch.forward_mode.is_decode():
+            self.cuda_path.prepare(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                   forward_batch.seq_lens)
 
     # ----- index storage -------------------------------------------------------------------------
 
@@ -122,6 +163,8 @@ class LouverAttnBackend(TorchNativeAttnBackend):
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         if not self._indexable(layer):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.cuda_path is not None:
+            return self._forward_decode_cuda(q, k, v, layer, forward_batch, save_kv_cache)
         h_q, dim = layer.tp_q_head_num, layer.qk_head_dim
         q = q.reshape(-1, h_q * dim)
         out = torch.empty_like(q)
@@ -146,6 +189,25 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         if layer.layer_id == self._first_layer():
             self.telemetry.end_decode_forward()
         return out
+
+    def _forward_decode_cuda(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache):
+        """Graph-safe decode: KV write, build of the pages this step completes, Triton step.
+
+        No host reads and no per-layer bookkeeping, so the whole forward can be captured; the
+        telemetry counters of the CPU path are not collected here.
+        """
+        h_q, dim = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, h_q, dim)
+        out = torch.empty((q3.shape[0], h_q, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        store = self._store(layer.layer_id)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+            self.cuda_path.build_completed(store, k_buffer, forward_batch.out_cache_loc, forward_batch.seq_lens)
+        self.cuda_path.decode(q3, k_buffer, v_buffer, store, layer.scaling, out, q3.shape[0])
+        return out.view(-1, h_q * layer.v_head_dim)
 
     # ----- helpers -------------------------------------------------------------------------------
 

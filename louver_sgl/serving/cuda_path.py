@@ -23,6 +23,13 @@ from ..decode.gpu import GpuWorkspace, louver_decode_gpu
 from ..index.store import PageIndexStore
 
 
+def cuda_launch(profile) -> TritonLaunch:
+    """Triton launch parameters from a CUDA profile's launch section (defaults without one)."""
+    if profile is None or profile.target != "cuda":
+        return TritonLaunch()
+    return TritonLaunch.from_dict(profile.launch)
+
+
 @dataclass
 class GraphBuffers:
     """Per-step device metadata for up to ``max_bs`` requests.

@@ -99,11 +99,17 @@ def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | No
 def profile_values(profile: Profile) -> dict[str, Any]:
     """A profile's config and launch values as options; launch keys must be ServingOptions fields."""
     launch_keys = {f.name for f in dataclasses.fields(ServingOptions)}
-    unknown = sorted(set(profile.launch) - launch_keys)
+    kernel_keys = set()
+    if profile.target == "cuda":  # Triton launch parameters, read by the CUDA decode path
+        from louver_kernels.triton.launch import TritonLaunch
+
+        kernel_keys = {f.name for f in dataclasses.fields(TritonLaunch)}
+        TritonLaunch.from_dict({k: v for k, v in profile.launch.items() if k in kernel_keys})
+    unknown = sorted(set(profile.launch) - launch_keys - kernel_keys)
     if unknown:
         raise ProfileError(f"profile {profile.path or profile.device_name}: unknown launch parameters "
-                           f"{unknown}; known: {sorted(launch_keys)}")
-    return {**profile.config, **profile.launch}
+                           f"{unknown}; known: {sorted(launch_keys | kernel_keys)}")
+    return {**profile.config, **{k: v for k, v in profile.launch.items() if k not in kernel_keys}}
 
 
 def option_table() -> list[tuple[str, str, Any]]:

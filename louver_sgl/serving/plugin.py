@@ -4,7 +4,7 @@ Runs in every SGLang process (launcher, engine, scheduler, detokenizer) through
 ``sglang.srt.plugins.load_plugins``: installs the CPU rotary-embedding stand-in when CUDA is
 absent, adds ``louver`` to the backend registry and the ``--attention-backend`` choices, and wraps
 the ``handle_attention_backend_compatibility`` resolution step so that a louver server gets
-louver's page size, has the CUDA graphs it does not support yet turned off (with a log line), and
+louver's page size, has CUDA graphs turned off on CPU (the CUDA path is graph-safe), and
 fails fast, naming the option, on combinations that would break the index.
 """
 
@@ -61,9 +61,13 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     shapes = _served_shapes(view, model_config)
     # Invalid LOUVER_* options (and an explicit LOUVER_PROFILE that does not apply) fail here, at
     # startup; the profile also decides the server page size.
-    config = resolve_options(_device_type(view), shapes)[0] if shapes else load_options()[0]
+    device = _device_type(view)
+    config = resolve_options(device, shapes)[0] if shapes else load_options()[0]
     check_louver_compatible(view, model_config)
-    _disable_cuda_graphs(server_args, view)
+    if device == "cuda" and config.family != "grid":
+        raise ValueError("louver: the clustered family has no CUDA kernels; use LOUVER_FAMILY=grid on GPUs")
+    if device != "cuda":  # the CUDA path is graph-safe; the CPU path is not
+        _disable_cuda_graphs(server_args, view)
     if view.page_size != config.page_size:
         logger.info("louver: setting page_size=%d (index pages are KV pages; was %s)", config.page_size, view.page_size)
         declare_resolution(server_args, "louver", page_size=config.page_size)
@@ -97,7 +101,7 @@ def _disable_cuda_graphs(server_args: Any, view: Any) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
-    logger.warning("louver: CUDA graphs are disabled (the louver decode step is not graph-capturable yet)")
+    logger.warning("louver: CUDA graphs are disabled (the CPU decode path is not graph-capturable)")
     cfg = view.cuda_graph_config
     for phase in (Phase.DECODE, Phase.PREFILL):
         cfg = with_phase(cfg, phase, backend=Backend.DISABLED)
