@@ -31,7 +31,7 @@ def _plt():
 
 def _subtitle(result: dict) -> str:
     m = result["machine"]
-    return f"SmolLM2-135M, {m['cpu']}, {m['threads']} threads, {m['date']}"
+    return f"SmolLM2-135M, {m['cpu']}, torch threads = {m['threads']}, {m['date']}"
 
 
 def plot_tradeoff(result: dict, out: Path) -> None:
