@@ -40,3 +40,17 @@ def test_cuda_profile_launch_parameters():
     with pytest.raises(ValueError, match="power of two"):
         profile_values(_cuda_profile({"attend_warps": 3}))
     assert cuda_launch(None).pages_per_split == 16
+
+
+def test_shipped_h200_profile_is_valid():
+    """The shipped H200 profile parses, carries Triton launch parameters and applies to the
+    shapes it was measured on only."""
+    from louver_sgl.profiles import SHIPPED_DIR
+
+    profile = Profile.load(SHIPPED_DIR / "nvidia_h200.json")
+    assert profile.target == "cuda" and profile.device_name == "NVIDIA H200"
+    profile_values(profile)
+    assert cuda_launch(profile).pages_per_split == profile.launch["pages_per_split"]
+    profile.check_compatible("cuda", Shapes(128, 32, 8, "bfloat16"), profile.louver_version)
+    with pytest.raises(ProfileError, match="head_dim"):
+        profile.check_compatible("cuda", Shapes(64, 9, 3, "bfloat16"), profile.louver_version)
