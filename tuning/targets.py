@@ -8,7 +8,7 @@ import torch
 
 from .target import Target
 
-REGISTRY = {"cpu": "louver_tuning.cpu:CpuTarget"}
+REGISTRY = {"cpu": "louver_tuning.cpu:CpuTarget", "cuda": "louver_tuning.cuda:CudaTarget"}
 
 
 def get_target(name: str, repeats: int = 5, warmup: int = 1) -> Target:

@@ -194,3 +194,5 @@ def _check(q, k_cache, v_cache, page_table, store: PageIndexStore, config: Louve
     layout = ("page_size", "grid_bits")
     if any(getattr(config, f) != getattr(store.config, f) for f in layout):
         raise ValueError("config index layout differs from the store's; rebuild the index")
+    if getattr(config, "min_sparse_tokens", 0):
+        raise ValueError("min_sparse_tokens is a CPU-path setting; the GPU step needs min_sparse_tokens=0")

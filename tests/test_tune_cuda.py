@@ -1,0 +1,51 @@
+"""The CUDA tuning target without a GPU: its launch space, defaults and step (Triton interpreter)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conftest import make_paged  # noqa: E402
+from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
+from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
+from louver_sgl.data.paged import PagedBatch  # noqa: E402
+from louver_sgl.decode.gpu import louver_decode_gpu  # noqa: E402
+from louver_tuning.cuda import LAUNCH_CHOICES, CudaEventTimer, CudaTarget  # noqa: E402
+from louver_tuning.targets import get_target  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_every_launch_point_is_valid_and_defaults_are_in_the_space():
+    target = CudaTarget(device=DEVICE)
+    space = target.launch_space()
+    for values in itertools.product(*(d.choices for d in space.values())):
+        TritonLaunch.from_dict(dict(zip(space, values)))
+    defaults = target.default_launch()
+    assert all(defaults[k] in LAUNCH_CHOICES[k] for k in defaults)
+    assert isinstance(get_target("cuda"), CudaTarget)
+    with pytest.raises(ValueError):
+        CudaEventTimer(repeats=0)
+
+
+def test_step_runs_the_gpu_decode_with_the_trial_launch():
+    config = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32)
+    k, v, table, lens = make_paged([200, 90], 16, 2, 64, dtype=torch.float16)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(3))
+    target = CudaTarget(device=DEVICE)
+    batch = target.place(PagedBatch(q, k, v, table, lens, 0.125))
+    store = PageIndexStore(config, len(k) // 16, 2, 64, torch.float16, device=DEVICE)
+    store.build_pages(batch.k.cpu() if DEVICE == "cpu" else batch.k, torch.arange(store.num_pages, device=DEVICE))
+    out, stats = target.make_step(batch, store, config, {"pages_per_split": 4, "attend_warps": 2})()
+    want, _ = louver_decode_gpu(q.half().to(DEVICE), batch.k, batch.v, batch.page_table, batch.seq_lens, store,
+                                0.125, config, TritonLaunch(pages_per_split=4, attend_warps=2))
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert stats.candidates.shape == (2, 6)
+    with pytest.raises(ValueError, match="min_sparse_tokens"):
+        target.make_step(batch, store, config.with_(min_sparse_tokens=64), {})()

@@ -1,0 +1,99 @@
+"""The CUDA target: the Triton decode step, timed by CUDA events over CUDA-graph replays."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, fields
+from typing import Any, Mapping
+
+import torch
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+
+from louver_kernels.triton.launch import TritonLaunch
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.data.paged import PagedBatch
+from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu
+
+from .target import StepFn, Target, TimedPoint
+
+# Launch parameters searched (the rest keep their defaults); names are ``TritonLaunch`` fields.
+LAUNCH_CHOICES = {
+    "pages_per_split": (4, 8, 16, 32, 64),
+    "attend_warps": (2, 4, 8),
+    "attend_stages": (1, 2, 3),
+    "hist_warps": (2, 4, 8),
+    "exact_warps": (2, 4, 8),
+    "merge_block": (8, 16, 32),
+}
+
+
+class CudaEventTimer:
+    """Median CUDA-event time (ms) of ``repeats`` replays of a CUDA graph of the step, captured
+    after ``warmup`` eager runs (compilation and autotuning stay out of the numbers)."""
+
+    def __init__(self, repeats: int = 20, warmup: int = 3) -> None:
+        if repeats < 1 or warmup < 1:
+            raise ValueError(f"repeats and warmup must be >= 1, got {repeats}, {warmup}")
+        self.repeats, self.warmup = repeats, warmup
+
+    def __call__(self, step: StepFn, point: TimedPoint) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        times = []
+        for _ in range(self.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+class CudaTarget(Target):
+    """Launch parameters: the ``TritonLaunch`` fields in ``LAUNCH_CHOICES``. The bound family is
+    fixed to the grid (the clustered family has no CUDA kernels) and ``min_sparse_tokens`` to 0."""
+
+    name = "cuda"
+    fixed_config = {"family": ["grid"], "min_sparse_tokens": [0]}
+
+    def __init__(self, repeats: int = 20, warmup: int = 3, device: str = "cuda") -> None:
+        self._timer = CudaEventTimer(repeats, max(warmup, 1))
+        self.device = torch.device(device)
+
+    def launch_space(self) -> dict[str, BaseDistribution]:
+        return {name: CategoricalDistribution(list(values)) for name, values in LAUNCH_CHOICES.items()}
+
+    def default_launch(self) -> dict[str, Any]:
+        defaults = asdict(TritonLaunch())
+        return {name: defaults[name] for name in LAUNCH_CHOICES}
+
+    def timer(self) -> CudaEventTimer:
+        return self._timer
+
+    def place(self, batch: PagedBatch) -> PagedBatch:
+        to = lambda t: t.to(self.device)
+        return PagedBatch(to(batch.q), to(batch.k), to(batch.v), to(batch.page_table).int(),
+                          to(batch.seq_lens).int(), batch.sigma)
+
+    def make_step(self, batch: PagedBatch, store: PageIndexStore, config: LouverConfig,
+                  launch: Mapping[str, Any]) -> StepFn:
+        known = {f.name for f in fields(TritonLaunch)}
+        triton_launch = TritonLaunch.from_dict({k: v for k, v in launch.items() if k in known})
+        q = batch.q.to(batch.k.dtype)
+        workspace = GpuWorkspace.allocate(q.shape[0], batch.page_table.shape[1], q.shape[1], batch.k.shape[1],
+                                          batch.v.shape[2], config, triton_launch, self.device)
+        out = torch.empty_like(q)
+
+        def step():
+            return louver_decode_gpu(q, batch.k, batch.v, batch.page_table, batch.seq_lens, store, batch.sigma,
+                                     config, triton_launch, workspace, out)
+        return step
