@@ -145,7 +145,19 @@ def test_shipped_profiles_are_valid():
         profile = Profile.load(path)
         assert path.stem == profile_key(profile.target, profile.device_name)
         assert profile.louver_version == louver_sgl.__version__
-        assert profile.measured["speedup_vs_defaults"] > 0
+
+
+def test_shipped_cpu_profile_resolves():
+    """The tuned SmolLM2 CPU profile applies to its shapes through the backend's option resolution."""
+    path = SHIPPED_DIR / "cpu_amd_epyc_avx512.json"
+    profile = Profile.load(path)
+    shapes = Shapes(64, 9, 3, "float16")
+    config, serving, selection = resolve_options("cpu", shapes, {"LOUVER_PROFILE_DIR": str(SHIPPED_DIR)},
+                                                 profile.device_name)
+    assert selection.profile is not None and str(path) in selection.message
+    assert {k: getattr(config, k) for k in profile.config} == dict(profile.config)
+    assert {k: getattr(serving, k) for k in profile.launch} == dict(profile.launch)
+    assert profile.measured["confirmation"]["winner"] == profile.measured["tuned"]["trial"]
 
 
 def test_cpu_threads_restores_the_count():
