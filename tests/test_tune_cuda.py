@@ -49,3 +49,13 @@ def test_step_runs_the_gpu_decode_with_the_trial_launch():
     assert stats.candidates.shape == (2, 6)
     with pytest.raises(ValueError, match="min_sparse_tokens"):
         target.make_step(batch, store, config.with_(min_sparse_tokens=64), {})()
+
+
+def test_cuda_studies_search_the_grid_family_only():
+    """The study space of the CUDA target keeps the knobs its kernels support at one value."""
+    from louver_tuning.space import build_space
+
+    target = CudaTarget(device=DEVICE)
+    space = build_space(target.launch_space(), 32768).restrict(target.fixed_config)
+    assert space.distributions["family"].choices == ("grid",)
+    assert space.distributions["min_sparse_tokens"].choices == (0,)

@@ -113,6 +113,9 @@ def run_tune(target: Target, settings: TuneSettings, run: RunOptions, storage_ur
     shapes = shapes_of(settings, first)
     max_context = max(parse_case(c)[0] for c in settings.cases)
     space = space or build_space(target.launch_space(), max_context, settings.space)
+    fixed = getattr(target, "fixed_config", None)  # knobs a target supports one value of
+    if fixed:
+        space = space.restrict({k: v for k, v in fixed.items() if k in space.distributions})
     study_name = study_name or default_study_name(target, shapes, settings)
     study = open_study(storage_url, study_name, make_sampler(run, space), RatioPruner(run.prune_ratio))
     _check_or_record(study, target, settings, shapes)
