@@ -3,7 +3,7 @@
 Each runs the same command as the full evaluation with ``--small`` into a temporary cache and
 result file, then checks the invariants of its result: recall exactly 1.0 and measured dropped
 mass within the reported bound at every query-step, well-formed per-method tables, and for the
-needle-in-a-haystack grid (two CPU servers, marked slow) a complete, scored cell table.
+needle-in-a-haystack grid (one CPU server, marked slow) a complete, scored cell table.
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ def test_dense_policy_kl_is_zero():
 @pytest.mark.slow
 def test_niah_small(tmp_path):
     result = _run(tmp_path, "eval_niah")
-    assert result["missing_configs"] == [] and set(result["cells"]) == {"torch_native", "certified-1e-2"}
+    assert result["missing_configs"] == [] and set(result["cells"]) == {"certified-1e-2"}
     for config, cells in result["cells"].items():
         assert set(cells) == {"single-512-0.5", "multikey-512", "multivalue-512"}, config
         for cell in cells.values():
             assert 0.0 <= cell["score"] <= 1.0 and cell["prompt_tokens"] > 512
     summary = result["summary"]["certified-1e-2"]
-    assert summary["compared_with_dense"] == 3 and set(summary["kinds"]) == {"single", "multikey", "multivalue"}
+    assert summary["prompts"] == 3 and set(summary["kinds"]) == {"single", "multikey", "multivalue"}
