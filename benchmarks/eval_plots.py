@@ -51,7 +51,7 @@ def plot_tradeoff(result: dict, out: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="fraction of keys attended (incl. sink/recent/tail)", title=title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Accuracy vs keys attended on captured traces ({', '.join(result['traces'])}); {_subtitle(result)}",
+    fig.suptitle(f"Accuracy vs keys attended on captured traces ({', '.join(result['traces'])})\n{_subtitle(result)}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
