@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from louver_kernels.triton.launch import TritonLaunch
+from louver_kernels.triton.timing import graph_replay_ms
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu
 
@@ -112,26 +112,7 @@ def graph_time(fn, reps: int = 50) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_replay_ms(fn, repeats=reps, warmup=3, settle=5)
 
 
 def copy_bandwidth() -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, fields
 from typing import Any, Mapping
 
@@ -10,6 +9,7 @@ import torch
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from louver_kernels.triton.launch import TritonLaunch
+from louver_kernels.triton.timing import graph_replay_ms
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
 from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu
@@ -37,25 +37,7 @@ class CudaEventTimer:
         self.repeats, self.warmup = repeats, warmup
 
     def __call__(self, step: StepFn, point: TimedPoint) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        times = []
-        for _ in range(self.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return graph_replay_ms(step, self.repeats, self.warmup)
 
 
 class CudaTarget(Target):

@@ -32,6 +32,22 @@ def request_layout(seq_len, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.cons
 
 
 @triton.jit
+def group_queries(q_ptr, b, h, stride_qb, stride_qh, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr):
+    """The query rows of KV head h's GQA group in request b.
+
+    Returns (g ``[BG]`` row ids, gmask ``[BG]`` rows < G, head_row ``[BG]`` flat (request, query
+    head) index, q ``[BG, D]`` fp32 with zero padding rows).
+    """
+    g = tl.arange(0, BG)
+    gmask = g < G
+    heads = h * G + g
+    dim = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
+                mask=gmask[:, None], other=0.0).to(tl.float32)
+    return g, gmask, b * tl.num_programs(1) * G + heads, q
+
+
+@triton.jit
 def page_terms(q, lo, sc, rad, D: tl.constexpr, BITS: tl.constexpr):
     """Query terms of one page. q ``[BG, D]`` fp32; lo, sc, rad ``[D]`` fp32.
 

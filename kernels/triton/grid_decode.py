@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    exact_scores, load_codes, load_page_terms, quantize_weights, request_layout, token_bounds,
+    exact_scores, group_queries, load_codes, load_page_terms, quantize_weights, request_layout,
+    token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -70,13 +71,8 @@ def _exact_part_kernel(
     n_dense = n_sink_tok + seq_len - end * P
     n_idx = (end - first) * P
     count = tl.minimum(n_idx, M)
-    g = tl.arange(0, BG)
-    gmask = g < G
+    g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     dim = tl.arange(0, D)
-    heads = h * G + g
-    head_row = b * tl.num_programs(1) * G + heads
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
     m = tl.full((BG,), float("-inf"), tl.float32)
     z = tl.zeros((BG,), tl.float64)
     for start in range(0, n_dense, BLOCK_T):  # sink pages, recent pages and the tail
@@ -178,13 +174,7 @@ def _certified_hist_kernel(
     s = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
     pages, first, end = request_layout(seq_len, P, SINK, RECENT)
-    g = tl.arange(0, BG)
-    gmask = g < G
-    dim = tl.arange(0, D)
-    heads = h * G + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
-    head_row = b * tl.num_programs(1) * G + heads
+    g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0).to(tl.float64)
     base = head_row * HIST_WIDTH
     p0 = first + s * SPLIT
@@ -229,15 +219,10 @@ def _attend_kernel(
     n_heads_kv = tl.num_programs(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
     pages, first, end = request_layout(seq_len, P, SINK, RECENT)
-    g = tl.arange(0, BG)
-    gmask = g < G
+    g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     dim = tl.arange(0, D)
     dv = tl.arange(0, DV)
     tok = tl.arange(0, P)
-    heads = h * G + g
-    head_row = b * n_heads_kv * G + heads
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dim[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
     t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
     if GATE:  # candidates clearly below T skip their V read (budget and fixed policies)
         gate_t = t - 1e-4 * (tl.abs(t) + 1.0)
