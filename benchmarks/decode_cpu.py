@@ -58,7 +58,12 @@ def timeit(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def dense_variants(pb: PagedBatch) -> dict:
-    """Dense decode attention closures over pre-gathered contiguous K/V ``[B, H_q, L, D]``."""
+    """Dense decode attention closures over pre-gathered contiguous K/V.
+
+    Per dtype: SDPA and bmm over K/V expanded to the query heads ``[H_q, L, D]``, and the
+    GQA-grouped forms over ``[H_kv, L, D]`` (each KV head read once for its G query heads, which
+    is the fastest dense path at long context here).
+    """
     batch, h_q, _ = pb.q.shape
     groups = h_q // pb.k.shape[1]
     size = len(pb.k) // pb.page_table.numel()
@@ -82,8 +87,23 @@ def dense_variants(pb: PagedBatch) -> dict:
                 res.append(torch.bmm(p.to(dtype), vs[b]))
             return res
 
+        kg = [k[::groups].contiguous() for k in ks]  # [H_kv, L, D]
+        vg = [v[::groups].contiguous() for v in vs]
+        qg = q.view(batch, -1, groups, q.shape[-1])  # [B, H_kv, G, D]
+
+        def sdpa_gqa(qg=qg, kg=kg, vg=vg):
+            return [F.scaled_dot_product_attention(qg[b], kg[b], vg[b], scale=pb.sigma) for b in range(batch)]
+
+        def bmm_gqa(qg=qg, kg=kg, vg=vg, dtype=dtype):
+            res = []
+            for b in range(batch):
+                p = torch.softmax(torch.bmm(qg[b], kg[b].transpose(1, 2)).float() * pb.sigma, -1)
+                res.append(torch.bmm(p.to(dtype), vg[b]))
+            return res
+
         name = str(dtype).replace("torch.", "")
         out[f"sdpa-{name}"], out[f"bmm-{name}"] = sdpa, bmm
+        out[f"sdpa-gqa-{name}"], out[f"bmm-gqa-{name}"] = sdpa_gqa, bmm_gqa
     return out
 
 
