@@ -92,6 +92,23 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
         assert bool((stats.candidates == ref_count).all())
 
 
+@pytest.mark.parametrize("page_size,dim,groups", [(8, 64, 3), (32, 128, 2), (64, 64, 8)])
+@pytest.mark.parametrize("policy", ["budget", "fixed"])
+def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, policy):
+    """The compiled kernel's 16-token blocks, its per-token path (pages of 8), D = 128 and 8-head
+    groups give the reference's threshold, candidate counts and output."""
+    cfg = LouverConfig(page_size=page_size, policy=policy, budget=0.1, fixed_threshold=4.0, sample_size=32,
+                       dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, lens=[300, 700, 129], dim=dim, groups=groups, seed=3)
+    sigma = 1 / math.sqrt(dim)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp", chunk_pages=2)
+    ref, info = reference_decode(q, k, v, table, lens, store, sigma)
+    torch.testing.assert_close(stats.threshold, torch.stack([i["threshold"] for i in info]), atol=1e-4, rtol=1e-5)
+    ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
+    assert bool((stats.candidates == ref_count).all())
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["grid", "clustered"])
 @pytest.mark.parametrize("policy", ["certified", "budget", "fixed"])
 def test_output_equals_dense_restricted_to_candidates(family, policy):

@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -169,6 +170,48 @@ inline void dot_token_vnni(const uint8_t* packed, int64_t bits, int64_t D, const
       acc[g] = _mm512_dpbusd_epi32(acc[g], c, _mm512_loadu_si512(w + g * D + blk * 64));
   }
   for (int64_t g = 0; g < G; ++g) out[g] = _mm512_reduce_add_epi32(acc[g]);
+}
+// One 64-channel block of a token's codes as 64 bytes (4-bit: low nibbles, then high nibbles).
+inline __m512i load_code_block(const uint8_t* packed, int64_t bits, int64_t blk) {
+  if (bits == 8) return _mm512_loadu_si512(packed + blk * 64);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + blk * 32));
+  const __m256i lo = _mm256_and_si256(x, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// Lane t of the result is the sum of the 16 lanes of v[t]: a transposing add tree (45 shuffles
+// and adds for 16 vectors instead of 16 full horizontal reductions).
+inline __m512i lane_sums16(const __m512i* v) {
+  __m512i s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum of each of 4 vectors
+    s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * i], s1[2 * i + 1]),
+                             _mm512_unpackhi_epi64(s1[2 * i], s1[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // add 128-bit lane pairs
+    s3[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                             _mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(s3[0], s3[1], 0x88), _mm512_shuffle_i32x4(s3[0], s3[1], 0xDD));
+}
+
+// Integer dots of 16 consecutive tokens (rows ``stride`` bytes apart from ``first``) with the
+// split weights of G heads: lane t of out[g] = Σ_d w_g[d]·c_t[d].
+inline void dot_block16_vnni(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const int8_t* w,
+                             int64_t G, __m512i* out) {
+  __m512i v[16];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < 16; ++t) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t blk = 0; blk < D / 64; ++blk)
+        acc = _mm512_dpbusd_epi32(acc, load_code_block(first + t * stride, bits, blk),
+                                  _mm512_loadu_si512(w + g * D + blk * 64));
+      v[t] = acc;
+    }
+    out[g] = lane_sums16(v);
+  }
 }
 #else
 constexpr bool kHaveVnni = false;
@@ -350,8 +393,9 @@ struct ChunkRunner {
     } else {
       unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
     }
-    int64_t n_cand = 0;
-    for (int64_t p = 0; p < P; ++p) {
+    int64_t n_cand = 0, p = 0;
+    if (vnni) n_cand = scan_blocks16(first, &p);
+    for (; p < P; ++p) {
       if (vnni) {
         dot_token_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, a.bits, D, wsplit.data(), G, idot.data());
       } else {
@@ -385,6 +429,38 @@ struct ChunkRunner {
       }
     for (int64_t c = 0; c < n_need; ++c)
       accumulate_slot(need_slot[c], need_score.data() + c * G, attend_mask.data() + c * G);
+  }
+
+  // The VNNI scan of the page's tokens in blocks of 16: the same bounds, gate and accounting
+  // as the per-token loop, vectorised over tokens. Returns candidates found; *p = tokens done.
+  int64_t scan_blocks16(int64_t first, int64_t* p) {
+    int64_t n_cand = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t G = a.groups, stride = a.h_kv * a.bytes;
+    __m512i dots[8];
+    for (; *p + 16 <= a.page_size; *p += 16) {
+      dot_block16_vnni(a.codes + ((first + *p) * a.h_kv + k) * a.bytes, stride, a.bits, a.dim, wsplit.data(), G, dots);
+      uint32_t cand = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!keep_page[g]) continue;
+        // off + step·acc with the same fp32 operations (and rounding) as the per-token loop
+        const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
+                                        _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
+        const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
+        if (drop) {
+          drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
+          drop_max[g] = std::max(drop_max[g], _mm512_mask_reduce_max_ps(drop, ub));
+        }
+        cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
+      }
+      for (; cand; cand &= cand - 1) {
+        const int64_t slot = first + *p + __builtin_ctz(cand);
+        cand_slot[n_cand++] = slot;
+        prefetch_row(kc + (slot * a.h_kv + k) * a.dim, a.dim);
+      }
+    }
+#endif
+    return n_cand;
   }
 
   static void prefetch_row(const KV* row, int64_t n) {
@@ -483,8 +559,13 @@ void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     const scalar_t* lp = lo.data_ptr<scalar_t>();
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* rp = radius.data_ptr<scalar_t>();
-    at::parallel_for(0, n_chunks * a.h_kv, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
+    // Tasks are taken from a shared counter, not split statically: their costs differ (the
+    // candidate count varies along the context and between heads), and a static split left one
+    // core idle for a large part of a batch-1 step.
+    const int64_t n_tasks = n_chunks * a.h_kv;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, n_tasks, 1, [&](int64_t, int64_t) {
+      for (int64_t task = next++; task < n_tasks; task = next++) {
         const int64_t c = task / a.h_kv, k = task % a.h_kv, base = task * G;
         ChunkRunner<scalar_t> runner(a, kc, vc, lp, sp, rp, c, k);
         runner.run(c);
