@@ -82,6 +82,12 @@ inline float dot(const float* a, const float* b, int n) {
   return acc;
 }
 
+// y += a·x over n floats.
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
 // Query terms of one page and KV head, for its G query heads (see louver_sgl/index/grid.py):
 // token bound = off[g] + Σ_d w[g][d]·code_d; page bound pb[g]; both include the fp32 slack
 // (same formula as numerics.dot_slack with num_terms = 2·D + 2). lo/sc/rad are fp32 rows [D].
@@ -689,9 +695,139 @@ void certified_dropped(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_r
   });
 }
 
+// ----- exact part and merge: the torch steps around the attend kernel, fused for small batches ------
+
+namespace {
+
+// [start, end) of each request's rows in a request-sorted row list req [n] -> bounds [B + 1].
+std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_t B) {
+  std::vector<int64_t> bounds(B + 1, n);
+  int64_t r = 0;
+  for (int64_t i = 0; i <= n; ++i) {
+    const int64_t cur = i < n ? req[i] : B;
+    while (r <= cur && r <= B) bounds[r++] = i;
+  }
+  return bounds;
+}
+
+}  // namespace
+
+// Exact scores of the dense part and of the sample, the reference score and the masses relative
+// to it (design §4; louver_sgl/decode/step.py:exact_part is the specification).
+// q [B, H_q, D] f32; k_cache [slots, H_kv, D]; dense_slots, dense_req [ND], sample_slots, sample_req
+// [NS] i64, request-sorted -> s_dense [ND, H_q] f32, sample [B, M, H_q] f32 (each request's sample
+// scores in order, padded with -inf; M >= its largest sample), ref [B, H_q] f32 (-inf: no exact
+// score), z [B, H_q, 2] f64 (Σ e^{σ(s − ref)} over the dense part, over the sample).
+void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slots, torch::Tensor dense_req,
+                torch::Tensor sample_slots, torch::Tensor sample_req, double sigma, torch::Tensor s_dense,
+                torch::Tensor sample, torch::Tensor ref, torch::Tensor z) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), h_kv = k_cache.size(1), G = H / h_kv;
+  const int64_t nd = dense_slots.size(0), ns = sample_slots.size(0), M = sample.size(1);
+  const float* qp = q.data_ptr<float>();
+  const int64_t *ds = dense_slots.data_ptr<int64_t>(), *dr = dense_req.data_ptr<int64_t>();
+  const int64_t *ss = sample_slots.data_ptr<int64_t>(), *sr = sample_req.data_ptr<int64_t>();
+  float* sd = s_dense.data_ptr<float>();
+  float* sp = sample.data_ptr<float>();
+  float* rp = ref.data_ptr<float>();
+  double* zp = z.data_ptr<double>();
+  const std::vector<int64_t> d_bounds = request_bounds(dr, nd, B), s_bounds = request_bounds(sr, ns, B);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(s_bounds[b + 1] - s_bounds[b] <= M, "sample buffer narrower than a request's sample");
+  std::fill(sp, sp + B * M * H, -INFINITY);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "exact_part", [&] {
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    // rows 0..nd-1: dense part; nd..nd+ns-1: sample (written at its padded position)
+    at::parallel_for(0, nd + ns, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> key(D);
+      for (int64_t row = begin; row < end; ++row) {
+        const bool dense = row < nd;
+        const int64_t i = dense ? row : row - nd, slot = dense ? ds[i] : ss[i], b = dense ? dr[i] : sr[i];
+        float* dst = dense ? sd + i * H : sp + (b * M + (i - s_bounds[b])) * H;
+        for (int64_t k = 0; k < h_kv; ++k) {
+          load_f32(kc + (slot * h_kv + k) * D, D, key.data());
+          for (int64_t g = 0; g < G; ++g)
+            dst[k * G + g] = dot(key.data(), qp + (b * H + k * G + g) * D, static_cast<int>(D));
+        }
+      }
+    });
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float top = -INFINITY;  // NaN propagates, as in torch's amax
+      auto take = [&top](float x) { top = (x > top || std::isnan(x)) && !std::isnan(top) ? x : top; };
+      for (int64_t i = d_bounds[b]; i < d_bounds[b + 1]; ++i) take(sd[i * H + h]);
+      for (int64_t j = 0; j < s_bounds[b + 1] - s_bounds[b]; ++j) take(sp[(b * M + j) * H + h]);
+      rp[bh] = top;
+      double zd = 0.0, zs = 0.0;
+      const double r = top;
+      for (int64_t i = d_bounds[b]; i < d_bounds[b + 1]; ++i) zd += std::exp(sigma * (double(sd[i * H + h]) - r));
+      for (int64_t j = 0; j < s_bounds[b + 1] - s_bounds[b]; ++j)
+        zs += std::exp(sigma * (double(sp[(b * M + j) * H + h]) - r));
+      zp[bh * 2] = zd;
+      zp[bh * 2 + 1] = zs;
+    }
+  });
+}
+
+// Softmax merge of the dense part with the attend kernel's chunk states (step.py:_merge is the
+// specification). s_dense [ND, H_q] f32; dense_slots, dense_req [ND] i64; v_cache [slots, H_kv, Dv];
+// m, l [NC, H_q] f32 (m in σ·score units; −inf: empty chunk); o [NC, H_q, Dv] f32; chunk_req [NC]
+// i64 (both row lists request-sorted) -> out [B, H_q, Dv] f32.
+void merge_chunks(torch::Tensor s_dense, torch::Tensor dense_slots, torch::Tensor dense_req, torch::Tensor v_cache,
+                  torch::Tensor m, torch::Tensor l, torch::Tensor o, torch::Tensor chunk_req, double sigma,
+                  torch::Tensor out) {
+  const int64_t B = out.size(0), H = out.size(1), DV = out.size(2), h_kv = v_cache.size(1), G = H / h_kv;
+  const int64_t nd = dense_slots.size(0), nc = chunk_req.size(0);
+  const float *sd = s_dense.data_ptr<float>(), *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>();
+  const float* op = o.data_ptr<float>();
+  const int64_t *ds = dense_slots.data_ptr<int64_t>(), *dr = dense_req.data_ptr<int64_t>();
+  const std::vector<int64_t> d_bounds = request_bounds(dr, nd, B),
+                             c_bounds = request_bounds(chunk_req.data_ptr<int64_t>(), nc, B);
+  float* outp = out.data_ptr<float>();
+  const float sig = static_cast<float>(sigma);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v_cache.scalar_type(), "merge_chunks", [&] {
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, B * h_kv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> val(DV), num(G * DV), top(G), den(G);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / h_kv, k = task % h_kv, h0 = b * H + k * G;
+        for (int64_t g = 0; g < G; ++g) {
+          float t = -INFINITY;
+          for (int64_t i = d_bounds[b]; i < d_bounds[b + 1]; ++i) t = std::max(t, sig * sd[i * H + k * G + g]);
+          for (int64_t c = c_bounds[b]; c < c_bounds[b + 1]; ++c) t = std::max(t, mp[c * H + k * G + g]);
+          top[g] = std::isfinite(t) ? t : 0.f;
+          den[g] = 0.f;
+        }
+        std::fill(num.begin(), num.end(), 0.f);
+        for (int64_t i = d_bounds[b]; i < d_bounds[b + 1]; ++i) {
+          load_f32(vc + (ds[i] * h_kv + k) * DV, DV, val.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = std::exp(sig * sd[i * H + k * G + g] - top[g]);
+            den[g] += w;
+            axpy(num.data() + g * DV, w, val.data(), DV);
+          }
+        }
+        for (int64_t c = c_bounds[b]; c < c_bounds[b + 1]; ++c)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t row = c * H + k * G + g;
+            const float scale = std::exp(mp[row] - top[g]);  // 0 for an empty chunk (m = −inf)
+            if (scale == 0.f) continue;
+            den[g] += lp[row] * scale;
+            axpy(num.data() + g * DV, scale, op + row * DV, DV);
+          }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < DV; ++d) outp[(h0 + g) * DV + d] = num[g * DV + d] / den[g];
+      }
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grid_bounds", &grid_bounds, "Louver grid page and token upper bounds (CPU)");
   m.def("grid_sparse_attend", &grid_sparse_attend, "Louver grid filter + sparse attention (CPU)");
   m.def("certified_hist", &certified_hist, "Louver certified-threshold histogram (CPU)");
   m.def("certified_dropped", &certified_dropped, "Louver certified dropped-mass recount (CPU)");
+  m.def("exact_part", &exact_part, "Louver exact scores of the dense part and sample, ref and masses (CPU)");
+  m.def("merge_chunks", &merge_chunks, "Louver merge of the dense part with the attend kernel's chunks (CPU)");
 }

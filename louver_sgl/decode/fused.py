@@ -16,11 +16,17 @@ from ..index.store import PageIndexStore
 from . import threshold as th
 from .plan import DecodePlan
 from .segments import seg_sum
-from .step import StepStats, _dense_for, exact_part, gates_values
+from .step import ExactPart, StepStats, _dense_for, gates_values
 
 
 def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split each request's page rows into chunks: (chunk_req, begin, end) ``[NC]`` int64."""
+    """Split each request's page rows into chunks: (chunk_req, begin, end) ``[NC]`` int64.
+
+    ``chunk_pages`` is an upper bound: chunks are made smaller when the batch would otherwise give
+    fewer than ``TASKS_PER_THREAD`` chunks per thread (one chunk is one task of the kernel).
+    """
+    threads = torch.get_num_threads()
+    chunk_pages = max(1, min(chunk_pages, -(-len(plan.page_ids) // (TASKS_PER_THREAD * threads))))
     counts = torch.bincount(plan.page_req, minlength=plan.batch_size)
     starts = torch.cumsum(counts, 0) - counts
     per_req = (counts + chunk_pages - 1) // chunk_pages
@@ -32,6 +38,9 @@ def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch
     return chunk_req, begin, end
 
 
+TASKS_PER_THREAD = 4  # enough chunks for the kernel's shared task counter to balance the cores
+
+
 def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
                      config: LouverConfig, ops, chunk_pages: int, out=None):
     """Fused-kernel version of ``run_decode`` (grid family, CPU tensors)."""
@@ -39,7 +48,7 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
     groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
-    ex = exact_part(q32, k_cache, plan, sigma)
+    ex = compiled_exact_part(q32, k_cache, plan, sigma, config.sample_size, ops)
     t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
     no_gate = torch.full_like(t, float("-inf"))
     gate = th.gate_threshold(t) if gates_values(config) else no_gate
@@ -56,7 +65,9 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
         chunk_req, begin, end, t.contiguous(), gate.contiguous(), ex.ref.contiguous(), float(sigma),
         store.config.grid_bits, store.page_size, m, l, o, counts, mass,
     )
-    result = _merge(ex, m, l, o, chunk_req, v_cache, plan, sigma, batch)
+    result = torch.empty(batch, heads, d_v)
+    ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, m.view(n_chunks, heads),
+                     l.view(n_chunks, heads), o.view(n_chunks, heads, d_v), chunk_req, float(sigma), result)
     per_head = lambda x: seg_sum(x.reshape(n_chunks, heads, *x.shape[3:]), chunk_req, batch)
     masses = per_head(mass)  # [B, H_q, 3]
     union = seg_sum(counts[..., 2 * groups].sum(1), chunk_req, batch)
@@ -78,6 +89,20 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
         union_candidates=union, pages_read=seg_sum(counts[:, 0, 2 * groups + 2], chunk_req, batch),
     )
     return out, stats
+
+
+def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_size: int, ops) -> ExactPart:
+    """``step.exact_part`` in one compiled call (the sample padded to ``sample_size`` rows, which
+    the budget quantile does not see: padding is −inf)."""
+    batch, heads = q32.shape[:2]
+    s_dense = torch.empty(len(plan.dense_slots), heads)
+    sample = torch.empty(batch, sample_size, heads)
+    ref = torch.empty(batch, heads)
+    z = torch.empty(batch, heads, 2, dtype=torch.float64)
+    ops.exact_part(q32, k_cache, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
+                   float(sigma), s_dense, sample, ref, z)
+    counts = torch.bincount(plan.sample_req, minlength=batch)
+    return ExactPart(s_dense, ref, z[..., 0], z[..., 0] + z[..., 1], (sample, counts))
 
 
 def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
@@ -118,8 +143,10 @@ def _certified(ops, tok, pb, plan: DecodePlan, ex, sigma: float, config: LouverC
     return t, torch.where(bad, torch.zeros_like(dropped), dropped)
 
 
-def _merge(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
-    """Merge chunk softmax states (m in σ·score units) with the dense part: ``[B, H_q, D_v]``."""
+def merge_reference(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
+    """Merge chunk softmax states (m in σ·score units) with the dense part: ``[B, H_q, D_v]``.
+
+    The specification of the compiled ``merge_chunks`` (tested against it)."""
     n_chunks = len(chunk_req)
     heads, d_v = ex.s_dense.shape[1], v_cache.shape[-1]
     groups = heads // v_cache.shape[1]
