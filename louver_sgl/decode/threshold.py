@@ -67,9 +67,9 @@ def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fr
     b, m, h = sample_scores.shape
     if m == 0:
         return torch.full((b, h), -math.inf, device=sample_scores.device)
-    k = (sample_count.to(torch.float64) * fraction).floor().clamp(min=1).long()
-    ranked = sample_scores.sort(dim=1, descending=True).values
-    pick = (k - 1).clamp(max=m - 1)[:, None, None].expand(b, 1, h)
+    k = (sample_count.to(torch.float64) * fraction).floor().clamp(min=1).long().clamp(max=m)
+    ranked = sample_scores.topk(int(k.max()), dim=1).values  # only the top k matter (no full sort)
+    pick = (k - 1)[:, None, None].expand(b, 1, h)
     t = torch.gather(ranked, 1, pick)[:, 0]
     return torch.where(sample_count[:, None] > 0, t, -math.inf)
 
