@@ -236,11 +236,12 @@ def main() -> None:
     parser.add_argument("--indexes", nargs="+", default=list(INDEXES), choices=list(INDEXES))
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw plot and table from --out")
+    parser.add_argument("--markdown", action="store_true", help="with --plot-only: print the docs table")
     args = parser.parse_args()
     if args.plot_only:
         results = json.loads(Path(args.out).read_text())
         plot(results, Path(args.out).with_suffix(".png"))
-        print_table(results)
+        print(markdown_table(results)) if args.markdown else print_table(results)
         return
     torch.manual_seed(0)
     results = {"date": str(date.today()), "command": "python -m benchmarks.decode_cpu " + " ".join(
@@ -259,6 +260,27 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=1))
     plot(results, Path(args.out).with_suffix(".png"))
     print_table(results)
+
+
+def markdown_table(results: dict) -> str:
+    """The docs table: one row per (length, batch, index, policy), means over the measured layers."""
+    rows = {}
+    for c in results["cases"]:
+        for r in c["louver"]:
+            key = (c["length"], c["batch"], r["index"], r["policy"])
+            rows.setdefault(key, []).append((c, r))
+    lines = ["| tokens | batch | index | policy | dense ms (best path) | louver ms | speedup | keys attended | "
+             "pages read | bytes read vs dense | fallbacks | recall |", "|" + "---|" * 12]
+    mean = statistics.mean
+    for (length, batch, index, policy), group in rows.items():
+        best = " / ".join(dict.fromkeys(c["best_dense"] for c, _ in group))
+        lines.append(
+            f"| {length} | {batch} | {index} | {policy} | {mean(c['best_dense_ms'] for c, _ in group):.2f} ({best}) | "
+            f"{mean(r['ms'] for _, r in group):.2f} | {mean(r['speedup'] for _, r in group):.2f} | "
+            f"{mean(r['candidate_fraction'] for _, r in group):.3f} | {mean(r['page_survival'] for _, r in group):.2f} | "
+            f"{mean(100 * r['bytes_read'] / c['dense_bytes'] for c, r in group):.0f}% | "
+            f"{sum(r['dense_fallbacks'] for _, r in group)} | {min(r['recall'] for _, r in group):.3f} |")
+    return "\n".join(lines)
 
 
 def print_table(results: dict) -> None:
