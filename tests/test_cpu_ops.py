@@ -68,3 +68,32 @@ def test_merge_matches_torch(dtype):
     got = torch.empty(batch, heads, 64)
     OPS.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v, m, l, o, chunk_req, sigma, got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,page_size,dim", [(8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64)])
+def test_grid_bounds_match_torch_bounds_and_enclose_scores(bits, page_size, dim):
+    """Compiled fp32 page/token bounds (16-token blocks, per-token tail, 2-bit fallback) equal the
+    torch bounds up to fp32 rounding and are >= every fp64 exact score."""
+    from louver_sgl import PageIndexStore
+
+    cfg = LouverConfig(page_size=page_size, grid_bits=bits)
+    h_kv, groups = 2, 3
+    k, _, table, lens = make_paged([300, 129], page_size, h_kv, dim, seed=11)
+    store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = torch.randn(2, h_kv * groups, dim, generator=torch.Generator().manual_seed(12)) * 2
+    plan = plan_decode(table, lens, cfg)
+    n = len(plan.page_ids)
+    tok = torch.empty(n, page_size, h_kv * groups)
+    pb = torch.empty(n, h_kv * groups)
+    meta = store.tensors
+    OPS.grid_bounds(q, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"], meta["codes"],
+                    bits, page_size, tok, pb)
+    rows = q.view(2, h_kv, groups, dim)[plan.page_req]
+    bounds = store.page_bounds(rows, plan.page_ids)
+    want_tok = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
+    torch.testing.assert_close(tok, want_tok, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(pb, bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
+    slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
+    exact = torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(n, page_size, -1)
+    assert bool((tok.double() >= exact).all())

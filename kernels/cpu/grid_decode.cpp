@@ -288,6 +288,71 @@ inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t byt
 
 }  // namespace
 
+#if defined(__AVX512F__)
+namespace {
+
+// Lane t of the result is the sum of the 16 lanes of v[t] (fp32 version of lane_sums16).
+inline __m512 lane_sums16_ps(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// Reorder one head's fp32 weights [D] to the channel order code_floats16 yields: 8-bit codes are in
+// channel order; 4-bit codes per 32 channels give the 16 even channels (low nibbles), then the odd.
+inline void nibble_order(const float* w, int64_t bits, int64_t D, float* out) {
+  if (bits != 4) {
+    std::copy(w, w + D, out);
+    return;
+  }
+  for (int64_t blk = 0; blk < D / 32; ++blk)
+    for (int64_t m = 0; m < 16; ++m) {
+      out[blk * 32 + m] = w[blk * 32 + 2 * m];
+      out[blk * 32 + 16 + m] = w[blk * 32 + 2 * m + 1];
+    }
+}
+
+// Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.
+inline __m512 code_floats16(const uint8_t* packed, int64_t bits, int64_t j) {
+  if (bits == 8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * j))));
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * (j / 2)));
+  const __m128i nib = j % 2 ? _mm_srli_epi16(x, 4) : x;
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F))));
+}
+
+// fp32 token bounds off[g] + Σ_d w_g[d]·c_t[d] of 16 consecutive tokens (rows ``stride`` bytes apart
+// from ``first``); dst[t·dst_stride + g]. codes16 [16, D] is scratch. The summation order differs
+// from the per-token loop; the slack in off covers fp32 rounding of the sum in any order.
+inline void bounds_block16(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const float* wr,
+                           const float* off, int64_t G, float* codes16, float* dst, int64_t dst_stride) {
+  for (int t = 0; t < 16; ++t)
+    for (int64_t j = 0; j < D / 16; ++j) _mm512_storeu_ps(codes16 + t * D + 16 * j, code_floats16(first + t * stride, bits, j));
+  __m512 v[16];
+  alignas(64) float sums[16];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D / 16; ++j)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(codes16 + t * D + 16 * j), _mm512_loadu_ps(wr + g * D + 16 * j), acc);
+      v[t] = acc;
+    }
+    _mm512_store_ps(sums, lane_sums16_ps(v));
+    for (int t = 0; t < 16; ++t) dst[t * dst_stride + g] = off[g] + sums[t];
+  }
+}
+
+}  // namespace
+#endif
+
 // Page and token upper bounds of a batch of pages, straight from the queries.
 // q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype);
 // codes [slots, H_kv, bytes] u8 -> tok [n, P, H_kv, G] f32, pb [n, H_kv, G] f32.
@@ -307,13 +372,22 @@ void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* rp = radius.data_ptr<scalar_t>();
     at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(D), w(G * D), off(G), book(3 * D);
+      std::vector<float> row(D), w(G * D), wr(G * D), off(G), book(3 * D), codes16(16 * D);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / h_kv, k = task % h_kv, meta = (pid[i] * h_kv + k) * D;
         load_codebook(lp + meta, sp + meta, rp + meta, D, book.data());
         page_terms(qp + (preq[i] * h_q + k * G) * D, book.data(), book.data() + D, book.data() + 2 * D,
                    G, D, bits, w.data(), off.data(), pbp + (i * h_kv + k) * G);
-        for (int64_t p = 0; p < page_size; ++p) {
+        int64_t p = 0;
+#if defined(__AVX512F__)
+        if (bits == 8 || bits == 4) {
+          for (int64_t g = 0; g < G; ++g) nibble_order(w.data() + g * D, bits, D, wr.data() + g * D);
+          for (; p + 16 <= page_size; p += 16)
+            bounds_block16(c + ((pid[i] * page_size + p) * h_kv + k) * bytes, h_kv * bytes, bits, D, wr.data(),
+                           off.data(), G, codes16.data(), tp + ((i * page_size + p) * h_kv + k) * G, h_kv * G);
+        }
+#endif
+        for (; p < page_size; ++p) {
           const int64_t slot = pid[i] * page_size + p;
           unpack_row(c + (slot * h_kv + k) * bytes, static_cast<int>(bits), static_cast<int>(D), row.data());
           float* dst = tp + ((i * page_size + p) * h_kv + k) * G;
@@ -627,6 +701,13 @@ inline int64_t edge_bin(double x) {
   return j >= kEdgeCount - 1 ? kEdgeCount : static_cast<int64_t>(j) + 1;
 }
 
+// Page slices per head for the certified passes: enough (head, slice) tasks for every thread to
+// get several, so that one head with more work does not leave a core idle.
+inline int64_t page_slices(int64_t n_pages, int64_t heads) {
+  const int64_t want = (4 * at::get_num_threads() + heads - 1) / heads;
+  return std::max<int64_t>(1, std::min<int64_t>(n_pages, want));
+}
+
 // Upper bound of e^x: glibc's expf is within 1 ulp, so scaling by (1 + 2^-21) rounds up.
 inline double exp_up(double x) {
   if (x > 80.0) return std::exp(std::min(x, 700.0)) * (1.0 + 1e-12);
@@ -643,15 +724,17 @@ void certified_hist(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req,
   const float* pp = pb.data_ptr<float>();
   const int64_t* req = page_req.data_ptr<int64_t>();
   const float* rp = ref.data_ptr<float>();
-  double* hp = hist.data_ptr<double>();
-  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      for (int64_t i = 0; i < n; ++i) {
+  const int64_t rows = hist.size(0) * H, S = page_slices(n, H);
+  std::vector<double> part(S * rows * W, 0.0);  // one histogram per page slice, summed below
+  at::parallel_for(0, H * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % H, slice = task / H;
+      for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
         const double r = rp[req[i] * H + h];
         const float page = pp[i * H + h];
         const double xp = sigma * (double(page) - r);
         const int64_t bp = edge_bin(xp);
-        double* row = hp + (req[i] * H + h) * W;
+        double* row = part.data() + (slice * rows + req[i] * H + h) * W;
         if (!std::isnan(xp)) row[bp] += double(P) * exp_up(xp);
         for (int64_t p = 0; p < P; ++p) {
           const float u = std::min(tp[(i * P + p) * H + h], page);  // NaN page keeps NaN
@@ -663,7 +746,11 @@ void certified_hist(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req,
           row[bp] -= e;
         }
       }
+    }
   });
+  double* hp = hist.data_ptr<double>();
+  for (int64_t slice = 0; slice < S; ++slice)
+    for (int64_t j = 0; j < rows * W; ++j) hp[j] += part[slice * rows * W + j];
 }
 
 // Mass dropped at thresholds t [B, H_q]: pages with pb < t (P·e^{x}), and in the other pages the
@@ -676,23 +763,30 @@ void certified_dropped(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_r
   const int64_t* req = page_req.data_ptr<int64_t>();
   const float* rp = ref.data_ptr<float>();
   const float* thr = t.data_ptr<float>();
-  double* op = out.data_ptr<double>();
-  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      for (int64_t i = 0; i < n; ++i) {
+  const int64_t rows = out.numel(), S = page_slices(n, H);
+  std::vector<double> part(S * rows, 0.0);
+  at::parallel_for(0, H * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % H, slice = task / H;
+      for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
         const int64_t rh = req[i] * H + h;
         const float page = pp[i * H + h];
         const double r = rp[rh];
+        double& acc = part[slice * rows + rh];
         if (page < thr[rh]) {
-          op[rh] += double(P) * exp_up(sigma * (double(page) - r));
+          acc += double(P) * exp_up(sigma * (double(page) - r));
           continue;
         }
         for (int64_t p = 0; p < P; ++p) {
           const float u = std::min(tp[(i * P + p) * H + h], page);
-          if (u < thr[rh]) op[rh] += exp_up(sigma * (double(u) - r));
+          if (u < thr[rh]) acc += exp_up(sigma * (double(u) - r));
         }
       }
+    }
   });
+  double* op = out.data_ptr<double>();
+  for (int64_t slice = 0; slice < S; ++slice)
+    for (int64_t j = 0; j < rows; ++j) op[j] += part[slice * rows + j];
 }
 
 // ----- exact part and merge: the torch steps around the attend kernel, fused for small batches ------
