@@ -5,7 +5,7 @@ import torch
 from benchmarks.decode_cpu import dense_variants
 from louver_sgl.data.paged import paged_batch
 from louver_sgl.decode.step import dense_attention
-from tests.test_tune_study import synthetic_trace
+from test_tune_study import synthetic_trace
 
 
 def test_dense_variants_agree_with_dense_attention():
