@@ -7,7 +7,7 @@ reference louver is compared with. One cache cell per (configuration, prompt); a
 started for a configuration with missing cells, so an interrupted run resumes where it stopped.
 Prompts go longest first, needle deepest first, so the radix cache shares haystack prefixes.
 
-    python -m benchmarks.eval_niah --out benchmarks/results/eval_niah.json
+    python -m benchmarks.eval_niah --out benchmarks/results/eval_niah.json [--dtype float32]
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def ask(url: str, kind: str, prompt: NeedlePrompt) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_config(config: str, prompts: dict, model: Path, cache_dir: Path) -> dict[str, dict]:
-    """Cells of one configuration; starts a server only if some are missing."""
+def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: str) -> dict[str, dict]:
+    """Cells of one configuration; starts a server (model and KV in ``dtype``) only if some are missing."""
     paths = {pid: cache_dir / config / f"{pid}.json" for pid in prompts}
     if all(p.exists() for p in paths.values()):
         return {pid: cached_cell(p, dict) for pid, p in paths.items()}
@@ -78,7 +78,8 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path) -> dict
 
     backend, env = server_setup(config)
     (cache_dir / config).mkdir(parents=True, exist_ok=True)
-    with sglang_server(model, backend, _free_port(), env, log_path=cache_dir / config / "server.log") as url:
+    with sglang_server(model, backend, _free_port(), env, extra=["--dtype", dtype],
+                       log_path=cache_dir / config / "server.log") as url:
         return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))
                 for pid, (kind, prompt) in tqdm(prompts.items(), desc=config)}
 
@@ -117,7 +118,12 @@ def main() -> None:
     add_run_arguments(parser, "niah", "CI size: one 512-token cell per kind, one louver server", threads=False)
     parser.add_argument("--model", type=Path, default=MODEL_DIR)
     parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations")
+    # SGLang's "auto" turns the fp32 checkpoint into fp16, whose matmuls have no fast CPU kernel in
+    # torch (prefill ran at ~20 tokens/s here); fp32 is the checkpoint's own precision.
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model and KV dtype of every server (cells are cached per dtype)")
     args = parser.parse_args()
+    args.cache = args.cache / args.dtype
     from transformers import AutoTokenizer
 
     grid = SMALL if args.small else FULL
@@ -129,12 +135,12 @@ def main() -> None:
     cells = {}
     for config in grid["configs"]:
         if args.configs is None or config in args.configs:
-            cells[config] = run_config(config, prompts, model, args.cache)
+            cells[config] = run_config(config, prompts, model, args.cache, args.dtype)
         elif cached := cached_cells(config, prompts, args.cache):
             cells[config] = cached
     done = {c for c in grid["configs"] if all((args.cache / c / f"{p}.json").exists() for p in prompts)}
-    result = {"command": command_line("eval_niah", args.small),
-              "machine": machine_info(), "grid": grid, "complete_configs": sorted(done),
+    result = {"command": command_line(f"eval_niah --dtype {args.dtype}", args.small),
+              "machine": machine_info(), "dtype": args.dtype, "grid": grid, "complete_configs": sorted(done),
               "missing_configs": [c for c in grid["configs"] if c not in done],
               "summary": compare(cells), "cells": cells}
     write_json(args.out, result)

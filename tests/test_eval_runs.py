@@ -91,6 +91,7 @@ def test_dense_policy_kl_is_zero():
 def test_niah_small(tmp_path):
     result = _run(tmp_path, "eval_niah")
     assert result["missing_configs"] == [] and set(result["cells"]) == {"certified-1e-2"}
+    assert result["dtype"] == "float32" and (tmp_path / "cache" / "float32" / "certified-1e-2").is_dir()
     for config, cells in result["cells"].items():
         assert set(cells) == {"single-512-0.5", "multikey-512", "multivalue-512"}, config
         for cell in cells.values():
