@@ -172,7 +172,7 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
 constexpr bool kHaveVnni = true;
 
 // Token dot products with AVX-512 VNNI: 64 code bytes × 64 int8 weights per instruction.
-// 4-bit codes are split into low and high nibbles without re-interleaving; ``split_weights``
+// 4-bit codes are split into low and high nibbles without re-interleaving; ``nibble_order``
 // orders the weights to match (per 64 channels: the even channels, then the odd ones).
 inline void dot_token_vnni(const uint8_t* packed, int64_t bits, int64_t D, const int8_t* w,
                            int64_t G, int32_t* out) {
@@ -241,16 +241,21 @@ constexpr bool kHaveVnni = false;
 inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*) {}
 #endif
 
-// Reorder one head's int8 weights [D] into the channel order dot_token_vnni reads codes in.
-inline void split_weights(const int8_t* wq, int64_t bits, int64_t D, int8_t* out) {
+// Reorder one head's weights [D] to the channel order in which 4-bit codes are unpacked without
+// re-interleaving: per ``block`` channels, the even channels (low nibbles), then the odd ones (high
+// nibbles). Other widths keep channel order. dot_token_vnni / dot_block16_vnni use block 64 (int8
+// weights), code_floats16 uses block 32 (fp32 weights).
+template <typename T>
+inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* out) {
   if (bits != 4) {
-    std::copy(wq, wq + D, out);
+    std::copy(w, w + D, out);
     return;
   }
-  for (int64_t blk = 0; blk < D / 64; ++blk)
-    for (int64_t j = 0; j < 32; ++j) {
-      out[blk * 64 + j] = wq[blk * 64 + 2 * j];
-      out[blk * 64 + 32 + j] = wq[blk * 64 + 2 * j + 1];
+  const int64_t half = block / 2;
+  for (int64_t blk = 0; blk < D / block; ++blk)
+    for (int64_t j = 0; j < half; ++j) {
+      out[blk * block + j] = w[blk * block + 2 * j];
+      out[blk * block + half + j] = w[blk * block + 2 * j + 1];
     }
 }
 
@@ -304,20 +309,6 @@ inline __m512 lane_sums16_ps(const __m512* v) {
     s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
                           _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
-}
-
-// Reorder one head's fp32 weights [D] to the channel order code_floats16 yields: 8-bit codes are in
-// channel order; 4-bit codes per 32 channels give the 16 even channels (low nibbles), then the odd.
-inline void nibble_order(const float* w, int64_t bits, int64_t D, float* out) {
-  if (bits != 4) {
-    std::copy(w, w + D, out);
-    return;
-  }
-  for (int64_t blk = 0; blk < D / 32; ++blk)
-    for (int64_t m = 0; m < 16; ++m) {
-      out[blk * 32 + m] = w[blk * 32 + 2 * m];
-      out[blk * 32 + 16 + m] = w[blk * 32 + 2 * m + 1];
-    }
 }
 
 // Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.
@@ -381,7 +372,7 @@ void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req
         int64_t p = 0;
 #if defined(__AVX512F__)
         if (bits == 8 || bits == 4) {
-          for (int64_t g = 0; g < G; ++g) nibble_order(w.data() + g * D, bits, D, wr.data() + g * D);
+          for (int64_t g = 0; g < G; ++g) nibble_order(w.data() + g * D, bits, D, 32, wr.data() + g * D);
           for (; p + 16 <= page_size; p += 16)
             bounds_block16(c + ((pid[i] * page_size + p) * h_kv + k) * bytes, h_kv * bytes, bits, D, wr.data(),
                            off.data(), G, codes16.data(), tp + ((i * page_size + p) * h_kv + k) * G, h_kv * G);
@@ -491,7 +482,7 @@ struct ChunkRunner {
     const int64_t first = a.page_ids[i] * P;
     const bool vnni = kHaveVnni && D % 64 == 0 && (a.bits == 4 || a.bits == 8) && G <= 8;
     if (vnni) {
-      for (int64_t g = 0; g < G; ++g) split_weights(wq.data() + g * D, a.bits, D, wsplit.data() + g * D);
+      for (int64_t g = 0; g < G; ++g) nibble_order(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
     } else {
       unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
     }
@@ -565,10 +556,7 @@ struct ChunkRunner {
     return n_cand;
   }
 
-  static void prefetch_row(const KV* row, int64_t n) {
-    const char* p = reinterpret_cast<const char*>(row);
-    for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(p + b, 0, 3);
-  }
+  static void prefetch_row(const KV* row, int64_t n) { prefetch_bytes(row, n * static_cast<int64_t>(sizeof(KV))); }
 
   // Exact scores s[G] of one candidate from its key, mass accounting and value gate (flags into
   // attend[G]). Returns whether some head needs the candidate's V.
