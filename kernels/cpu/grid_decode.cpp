@@ -168,6 +168,12 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
 }
 
+#if defined(__AVX512F__)
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveVnni = true;
 
@@ -204,36 +210,48 @@ inline __m512i load_code_block(const uint8_t* packed, int64_t bits, int64_t blk)
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-// Lane t of the result is the sum of the 16 lanes of v[t]: a transposing add tree (45 shuffles
-// and adds for 16 vectors instead of 16 full horizontal reductions).
-inline __m512i lane_sums16(const __m512i* v) {
-  __m512i s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    s1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum of each of 4 vectors
-    s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * i], s1[2 * i + 1]),
-                             _mm512_unpackhi_epi64(s1[2 * i], s1[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)  // add 128-bit lane pairs
-    s3[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0x88),
-                             _mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(s3[0], s3[1], 0x88), _mm512_shuffle_i32x4(s3[0], s3[1], 0xDD));
+// In-register transpose of 16 vectors of 16 dwords: lane t of col[j] = dword j of v[t] (64 shuffles).
+inline void transpose16_epi32(const __m512i* v, __m512i* col) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: [v2i[4L], v2i+1[4L], v2i[4L+1], v2i+1[4L+1]] and the +2, +3 pair
+    a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + c], lane L: dword 4L + c of rows 4i .. 4i+3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // col[4L + c] gathers lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    col[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    col[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    col[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    col[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
 }
 
 // Integer dots of 16 consecutive tokens (rows ``stride`` bytes apart from ``first``) with the
-// split weights of G heads: lane t of out[g] = Σ_d w_g[d]·c_t[d].
+// split weights of G heads: lane t of out[g] = Σ_d w_g[d]·c_t[d]. Each 64-channel block of the 16
+// tokens is transposed once (lane t of col[j] = channels 4j .. 4j+3 of token t), so every head
+// needs 16 VNNI steps against broadcast weight quads and no horizontal sums.
 inline void dot_block16_vnni(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const int8_t* w,
                              int64_t G, __m512i* out) {
-  __m512i v[16];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < 16; ++t) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int64_t blk = 0; blk < D / 64; ++blk)
-        acc = _mm512_dpbusd_epi32(acc, load_code_block(first + t * stride, bits, blk),
-                                  _mm512_loadu_si512(w + g * D + blk * 64));
-      v[t] = acc;
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_setzero_si512();
+  __m512i v[16], col[16];
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    for (int t = 0; t < 16; ++t) v[t] = load_code_block(first + t * stride, bits, blk);
+    transpose16_epi32(v, col);
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* wb = w + g * D + blk * 64;
+      for (int j = 0; j < 16; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, wb + 4 * j, sizeof(quad));
+        out[g] = _mm512_dpbusd_epi32(out[g], col[j], _mm512_set1_epi32(quad));
+      }
     }
-    out[g] = lane_sums16(v);
   }
 }
 #else
@@ -309,6 +327,37 @@ inline __m512 lane_sums16_ps(const __m512* v) {
     s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
                           _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// e^x for 8 doubles with relative error below 1e-15: k = round(x/ln2), r = x − k·ln2 (Cody-Waite
+// with FMA, |r| <= 0.35), Taylor polynomial to r^13 (truncation < 1e-17), times 2^k. x is clamped
+// to [−700, 700]; NaN gives e^700 (an upper bound, as rel_mass does).
+inline __m512d exp_pd8(__m512d x) {
+  x = _mm512_max_pd(_mm512_min_pd(x, _mm512_set1_pd(700.0)), _mm512_set1_pd(-700.0));  // NaN -> 700
+  const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
+                                   1.0 / 479001600, 1.0 / 6227020800};
+  __m512d p = _mm512_set1_pd(inv_fact[13]);
+  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[i]));
+  return _mm512_scalef_pd(p, k);
+}
+
+// e^x for 16 floats, for softmax weights (no bound depends on it): a few ulp; x below −104 gives
+// 0, NaN stays NaN. Cephes' two-part ln2, Taylor polynomial to r^7 (truncation < 2^-24).
+inline __m512 exp_ps16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));  // NaN propagates
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  constexpr float inv_fact[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+  __m512 p = _mm512_set1_ps(inv_fact[7]);
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(inv_fact[i]));
+  return _mm512_scalef_ps(p, k);
 }
 
 // Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.
@@ -412,7 +461,8 @@ struct AttendArgs {
 
 // Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
 // pages count P·e^{σ(pb − ref)}, kept pages their tokens below T), mass[1] value-gated candidates
-// (exact score below the gate threshold), mass[2] every union candidate (exact).
+// (exact score below the gate threshold; an upper bound), mass[2] every union candidate (a lower
+// bound: it only enlarges the softmax denominator's lower bound).
 struct HeadState {
   float m = -INFINITY, l = 0.f;
   int64_t attended = 0, skipped = 0;
@@ -423,71 +473,107 @@ inline double rel_mass(float sigma, float x, float ref) {
   return std::exp(std::min(700.0, double(sigma) * (double(x) - double(ref))));
 }
 
+// Relative safety of masses summed from exp_pd8 (error < 1e-15 per term).
+constexpr double kMassUp = 1.0 + 0x1p-40, kMassDown = 1.0 - 0x1p-40;
+
 template <typename KV>
 struct ChunkRunner {
   const AttendArgs& a;
   const KV *kc, *vc, *lo, *sc, *rad;
   int64_t b, k, head0;
-  std::vector<float> row, buf, acc, s, w, off, pb, step, u, drop_max, book;
+  bool open = false, vector_scores;
+  std::vector<float> buf, acc, w, off, pb, step, drop_max, book, rows16, score, weight;
   std::vector<int8_t> wq, wsplit;
   std::vector<int32_t> idot;
   std::vector<uint8_t> page_codes;
-  std::vector<int64_t> drop_count, cand_slot, need_slot;
-  std::vector<float> need_score;
-  std::vector<char> keep_page, attend_mask;
+  std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
+  std::vector<int64_t> drop_count, cand_slot;
+  std::vector<char> keep_page;
   std::vector<HeadState> st;
-  int64_t n_union = 0, n_values = 0, n_pages_read = 0;
+  int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
 
   ChunkRunner(const AttendArgs& args, const KV* kc_, const KV* vc_, const KV* lo_, const KV* sc_,
               const KV* rad_, int64_t chunk, int64_t kv_head)
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
-        head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups), row(args.dim),
-        buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), s(args.groups),
-        w(args.groups * args.dim), off(args.groups), pb(args.groups), step(args.groups),
-        u(args.page_size * args.groups), drop_max(args.groups), wq(args.groups * args.dim),
-        wsplit(args.groups * args.dim), idot(args.groups), book(3 * args.dim),
-        page_codes(args.page_size * args.dim), drop_count(args.groups), cand_slot(args.page_size),
-        need_slot(args.page_size), need_score(args.page_size * args.groups), keep_page(args.groups),
-        attend_mask(args.page_size * args.groups), st(args.groups) {}
+        head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
+        vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0),
+        buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
+        off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups), book(3 * args.dim),
+        rows16(16 * args.dim), score(args.groups * padded(args.page_size)),
+        weight(args.groups * padded(args.page_size)), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
+        idot(args.groups), page_codes(args.page_size * args.dim),
+        attend_bits(args.groups * padded(args.page_size) / 16), need_bits(padded(args.page_size) / 16),
+        drop_count(args.groups), cand_slot(args.page_size), keep_page(args.groups), st(args.groups) {}
 
-  // Page bounds of page row i; false if every head of the group skips the page.
+  static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+  // Page bounds of page row i; if some head of the group keeps the page, its token weights are
+  // quantised and the page is open for scanning. Returns whether it is open.
   bool open_page(int64_t i) {
-    const int64_t G = a.groups, meta = (a.page_ids[i] * a.h_kv + k) * a.dim;
-    load_codebook(lo + meta, sc + meta, rad + meta, a.dim, book.data());
-    page_terms(a.q + head0 * a.dim, book.data(), book.data() + a.dim, book.data() + 2 * a.dim, G,
-               a.dim, a.bits, w.data(), off.data(), pb.data());
-    bool any = false;
+    const int64_t G = a.groups, D = a.dim, meta = (a.page_ids[i] * a.h_kv + k) * D;
+    load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
+    page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
+               off.data(), pb.data());
+    open = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
       if (!keep_page[g]) {
         st[g].skipped += 1;
         st[g].mass[0] += double(a.page_size) * rel_mass(a.sigma, pb[g], a.ref[head0 + g]);
       }
-      any |= keep_page[g];
+      open |= keep_page[g];
     }
-    return any;
-  }
-
-  // Token bounds of the open page (int8 weights against byte codes), then the candidate gate.
-  // Dropped tokens are accounted per head by count and largest bound: n·e^{σ(max u − ref)}
-  // bounds their mass with one exp per page. Candidates are gathered first and their K (then V)
-  // rows prefetched, so the random row reads overlap instead of stalling one by one.
-  void scan_page(int64_t i) {
-    const int64_t G = a.groups, D = a.dim, P = a.page_size;
+    if (!open) return false;
+    ++n_pages_read;
+    n_cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
     }
-    const int64_t first = a.page_ids[i] * P;
-    const bool vnni = kHaveVnni && D % 64 == 0 && (a.bits == 4 || a.bits == 8) && G <= 8;
-    if (vnni) {
+    if (vnni_scan()) {
       for (int64_t g = 0; g < G; ++g) nibble_order(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
-    } else {
-      unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
     }
-    int64_t n_cand = 0, p = 0;
-    if (vnni) n_cand = scan_blocks16(first, &p);
+    return true;
+  }
+
+  bool vnni_scan() const { return kHaveVnni && a.dim % 64 == 0 && (a.bits == 4 || a.bits == 8) && a.groups <= 8; }
+
+  // Token bounds of the open page's tokens p .. p+15 (int8 weights against byte codes, VNNI), then
+  // the candidate gate. Dropped tokens are accounted per head by count and largest bound:
+  // n·e^{σ(max u − ref)} bounds their mass with one exp per page.
+  void scan_block16(int64_t first, int64_t p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t G = a.groups, stride = a.h_kv * a.bytes;
+    __m512i dots[8];
+    dot_block16_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, stride, a.bits, a.dim, wsplit.data(), G, dots);
+    uint32_t cand = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (!keep_page[g]) continue;
+      // off + step·acc with the same fp32 operations (and rounding) as the per-token loop
+      const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
+                                      _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
+      const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
+      if (drop) {
+        drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
+        drop_max[g] = std::max(drop_max[g], _mm512_mask_reduce_max_ps(drop, ub));
+      }
+      cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
+    }
+    for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
+#else
+    (void)first;
+    (void)p;
+#endif
+  }
+
+  // The same bounds and gate for tokens p .. P−1, one token at a time (pages not a multiple of 16,
+  // or no VNNI / a D that is not a multiple of 64).
+  void scan_tokens(int64_t first, int64_t p) {
+    const int64_t G = a.groups, D = a.dim, P = a.page_size;
+    const bool vnni = vnni_scan();
+    if (!vnni && p < P)
+      unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
     for (; p < P; ++p) {
       if (vnni) {
         dot_token_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, a.bits, D, wsplit.data(), G, idot.data());
@@ -505,106 +591,176 @@ struct ChunkRunner {
           cand = true;  // NaN keeps
         }
       }
-      if (cand) {
-        cand_slot[n_cand++] = first + p;
-        prefetch_row(kc + ((first + p) * a.h_kv + k) * D, D);
-      }
+      if (cand) add_candidate(first + p);
     }
-    for (int64_t g = 0; g < G; ++g)
-      if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
-    int64_t n_need = 0;
-    for (int64_t c = 0; c < n_cand; ++c)
-      if (score_slot(cand_slot[c], attend_mask.data() + n_need * G)) {
-        need_slot[n_need] = cand_slot[c];
-        std::copy(s.begin(), s.end(), need_score.begin() + n_need * G);
-        prefetch_row(vc + (cand_slot[c] * a.h_kv + k) * a.dim_v, a.dim_v);
-        ++n_need;
-      }
-    for (int64_t c = 0; c < n_need; ++c)
-      accumulate_slot(need_slot[c], need_score.data() + c * G, attend_mask.data() + c * G);
   }
 
-  // The VNNI scan of the page's tokens in blocks of 16: the same bounds, gate and accounting
-  // as the per-token loop, vectorised over tokens. Returns candidates found; *p = tokens done.
-  int64_t scan_blocks16(int64_t first, int64_t* p) {
-    int64_t n_cand = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int64_t G = a.groups, stride = a.h_kv * a.bytes;
-    __m512i dots[8];
-    for (; *p + 16 <= a.page_size; *p += 16) {
-      dot_block16_vnni(a.codes + ((first + *p) * a.h_kv + k) * a.bytes, stride, a.bits, a.dim, wsplit.data(), G, dots);
-      uint32_t cand = 0;
-      for (int64_t g = 0; g < G; ++g) {
-        if (!keep_page[g]) continue;
-        // off + step·acc with the same fp32 operations (and rounding) as the per-token loop
-        const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
-                                        _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
-        const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
-        if (drop) {
-          drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
-          drop_max[g] = std::max(drop_max[g], _mm512_mask_reduce_max_ps(drop, ub));
-        }
-        cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
-      }
-      for (; cand; cand &= cand - 1) {
-        const int64_t slot = first + *p + __builtin_ctz(cand);
-        cand_slot[n_cand++] = slot;
-        prefetch_row(kc + (slot * a.h_kv + k) * a.dim, a.dim);
-      }
-    }
-#endif
-    return n_cand;
+  // Candidates are gathered first and their K rows prefetched, so that the random row reads
+  // overlap instead of stalling one by one.
+  void add_candidate(int64_t slot) {
+    cand_slot[n_cand++] = slot;
+    prefetch_row(kc + (slot * a.h_kv + k) * a.dim, a.dim);
   }
 
   static void prefetch_row(const KV* row, int64_t n) { prefetch_bytes(row, n * static_cast<int64_t>(sizeof(KV))); }
 
-  // Exact scores s[G] of one candidate from its key, mass accounting and value gate (flags into
-  // attend[G]). Returns whether some head needs the candidate's V.
-  bool score_slot(int64_t slot, char* attend) {
-    const int64_t G = a.groups, D = a.dim;
-    ++n_union;
-    load_f32(kc + (slot * a.h_kv + k) * D, D, buf.data());
-    bool need_v = false;
-    for (int64_t g = 0; g < G; ++g) {
-      s[g] = dot(buf.data(), a.q + (head0 + g) * D, D);
-      const double e = rel_mass(a.sigma, s[g], a.ref[head0 + g]);
-      attend[g] = !(s[g] < a.t_gate[head0 + g]);
-      st[g].mass[2] += e;
-      if (!attend[g]) st[g].mass[1] += e;
-      need_v |= attend[g];
+  // After the scan of an open page: dropped-mass accounting, exact scores of the candidates
+  // (keys first), the value gate, then V only for the rows some head attends.
+  void finish_page() {
+    const int64_t G = a.groups;
+    for (int64_t g = 0; g < G; ++g)
+      if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
+    if (n_cand == 0) return;
+    n_union += n_cand;
+    if (vector_scores) {
+      score_candidates16();
+    } else {
+      score_candidates();
     }
-    return need_v;
+    attend_candidates();
   }
 
-  // Online softmax update with the candidate's V for the heads that attend it.
-  void accumulate_slot(int64_t slot, const float* score, const char* attend) {
-    const int64_t G = a.groups, DV = a.dim_v;
-    ++n_values;
-    load_f32(vc + (slot * a.h_kv + k) * DV, DV, buf.data());
-    for (int64_t g = 0; g < G; ++g) {
-      if (!attend[g]) continue;
-      HeadState& h = st[g];
-      ++h.attended;
-      const float x = a.sigma * score[g];
-      float* ag = acc.data() + g * DV;
-      if (x > h.m) {  // rescale the running sum to the new maximum
-        const float scale = std::exp(h.m - x);
-        h.l *= scale;
-        for (int64_t d = 0; d < DV; ++d) ag[d] *= scale;
-        h.m = x;
+  // Exact scores of the candidates [G, n_cand] in ``score``, attend/need flags and the masses
+  // of the candidates (per token; the reference for the vector version below).
+  void score_candidates() {
+    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    std::fill(attend_bits.begin(), attend_bits.end(), 0);
+    std::fill(need_bits.begin(), need_bits.end(), 0);
+    for (int64_t c = 0; c < n_cand; ++c) {
+      load_f32(kc + (cand_slot[c] * a.h_kv + k) * D, D, buf.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = dot(buf.data(), a.q + (head0 + g) * D, static_cast<int>(D));
+        score[g * P16 + c] = s;
+        const double e = rel_mass(a.sigma, s, a.ref[head0 + g]);
+        const bool attend = !(s < a.t_gate[head0 + g]);
+        st[g].mass[2] += e;
+        if (!attend) st[g].mass[1] += e;
+        if (attend) {
+          attend_bits[g * (P16 / 16) + c / 16] |= uint16_t(1u << (c % 16));
+          need_bits[c / 16] |= uint16_t(1u << (c % 16));
+        }
       }
-      const float e = std::exp(x - h.m);
-      h.l += e;
-#pragma omp simd
-      for (int64_t d = 0; d < DV; ++d) ag[d] += e * buf[d];
     }
   }
 
-  // Page row i for this KV head: page bounds, then (if some head keeps the page) its tokens.
-  void visit(int64_t i) {
-    if (!open_page(i)) return;
-    ++n_pages_read;
-    scan_page(i);
+  // score_candidates for 16 candidates at a time: K rows to fp32 scratch, G·16 FMA rows reduced
+  // by the transposing add tree, masses with the 8-lane fp64 exp (bounded by kMassUp/kMassDown).
+  void score_candidates16() {
+#if defined(__AVX512F__)
+    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, n_cand - c0);
+      const __mmask16 valid = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
+      for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
+      uint16_t need = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = a.q + (head0 + g) * D;
+        __m512 v[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 sum = _mm512_setzero_ps();
+          if (t < nb)
+            for (int64_t j = 0; j < D; j += 16)
+              sum = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), _mm512_loadu_ps(qg + j), sum);
+          v[t] = sum;
+        }
+        const __m512 s = lane_sums16_ps(v);
+        _mm512_storeu_ps(score.data() + g * P16 + c0, s);
+        const __mmask16 attend = valid & ~_mm512_cmp_ps_mask(s, _mm512_set1_ps(a.t_gate[head0 + g]), _CMP_LT_OQ);
+        attend_bits[g * (P16 / 16) + c0 / 16] = attend;
+        need |= attend;
+        add_masses(s, valid, attend, st[g], a.ref[head0 + g]);
+      }
+      need_bits[c0 / 16] = need;
+      for (uint32_t bits = need; bits; bits &= bits - 1)
+        prefetch_row(vc + (cand_slot[c0 + __builtin_ctz(bits)] * a.h_kv + k) * a.dim_v, a.dim_v);
+    }
+#endif
+  }
+
+#if defined(__AVX512F__)
+  // mass[2] += Σ e^{σ(s − ref)} over valid lanes (rounded down; lanes below e^-700 and NaN count
+  // 0), mass[1] += the same over valid lanes not attended (rounded up; exponents clamp at −700).
+  void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, float ref) const {
+    const __m512d sig = _mm512_set1_pd(a.sigma), r = _mm512_set1_pd(ref), floor = _mm512_set1_pd(-700.0);
+    const __m512d halves[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
+                               _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)))};
+    double all = 0.0, gated = 0.0;
+    for (int half = 0; half < 2; ++half) {
+      const __m512d x = _mm512_mul_pd(sig, _mm512_sub_pd(halves[half], r));
+      const __m512d e = exp_pd8(x);
+      const __mmask8 ok = static_cast<__mmask8>(valid >> (8 * half)) & _mm512_cmp_pd_mask(x, floor, _CMP_GE_OQ);
+      const __mmask8 drop = static_cast<__mmask8>((valid & ~attend) >> (8 * half));
+      all += _mm512_mask_reduce_add_pd(ok, e);
+      gated += _mm512_mask_reduce_add_pd(drop, e);
+    }
+    h.mass[2] += all * kMassDown;
+    h.mass[1] += gated * kMassUp;
+  }
+#endif
+
+  // Online softmax over the page's attended candidates: one rescale per head and page to the
+  // page's largest score, then each needed V row is read once for all heads of the group.
+  void attend_candidates() {
+    const int64_t G = a.groups, DV = a.dim_v, P16 = padded(a.page_size), blocks = (n_cand + 15) / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      HeadState& h = st[g];
+      const float* sg = score.data() + g * P16;
+      const uint16_t* ab = attend_bits.data() + g * (P16 / 16);
+      float top = -INFINITY;
+      int64_t count = 0;
+      for (int64_t c = 0; c < n_cand; ++c)
+        if (ab[c / 16] >> (c % 16) & 1) {
+          ++count;
+          top = std::max(top, a.sigma * sg[c]);  // NaN scores do not move the maximum
+        }
+      float* wg = weight.data() + g * P16;
+      if (count == 0) {
+        std::fill(wg, wg + n_cand, 0.f);
+        continue;
+      }
+      h.attended += count;
+      if (top > h.m) {  // rescale the running sum to the new maximum
+        const float scale = std::exp(h.m - top);
+        h.l *= scale;
+        float* ag = acc.data() + g * DV;
+        for (int64_t d = 0; d < DV; ++d) ag[d] *= scale;
+        h.m = top;
+      }
+      page_weights(sg, ab, blocks, h, wg);
+    }
+    for (int64_t c = 0; c < n_cand; ++c) {
+      if (!(need_bits[c / 16] >> (c % 16) & 1)) continue;
+      ++n_values;
+      load_f32(vc + (cand_slot[c] * a.h_kv + k) * DV, DV, buf.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float e = weight[g * P16 + c];
+        if (e != 0.f) axpy(acc.data() + g * DV, e, buf.data(), DV);
+      }
+    }
+  }
+
+  // Softmax weights e^{σ·s − m} of one head's candidates (0 where not attended) into wg; adds
+  // them to h.l.
+  void page_weights(const float* sg, const uint16_t* ab, int64_t blocks, HeadState& h, float* wg) const {
+#if defined(__AVX512F__)
+    if (vector_scores) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_loadu_ps(sg + 16 * blk)),
+                                       _mm512_set1_ps(h.m));
+        const __m512 e = _mm512_maskz_mov_ps(ab[blk], exp_ps16(x));
+        _mm512_storeu_ps(wg + 16 * blk, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      h.l += _mm512_reduce_add_ps(sum);
+      return;
+    }
+#endif
+    for (int64_t c = 0; c < blocks * 16; ++c) {
+      const bool on = c < n_cand && (ab[c / 16] >> (c % 16) & 1);
+      wg[c] = on ? std::exp(a.sigma * sg[c] - h.m) : 0.f;
+      h.l += wg[c];
+    }
   }
 
   void write(float* m_out, float* l_out, float* o_out, int64_t* counts, double* mass_out) const {
@@ -622,6 +778,38 @@ struct ChunkRunner {
     counts[2 * G + 2] = n_pages_read;
   }
 };
+
+// One chunk of pages for all KV heads. A page's codes for all heads are one contiguous block
+// [P, H_kv, bytes]; the scan walks it in 16-token blocks with every open head per block, so the
+// block streams from memory once and in order, while the same block of the next page is
+// prefetched.
+template <typename KV>
+void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64_t c) {
+  const int64_t P = a.page_size, page_block = P * a.h_kv * a.bytes, block16 = 16 * a.h_kv * a.bytes;
+  const bool vnni = runners[0].vnni_scan();
+  for (int64_t i = a.chunk_begin[c]; i < a.chunk_end[c]; ++i) {
+    const uint8_t* next = i + 1 < a.chunk_end[c] ? a.codes + a.page_ids[i + 1] * page_block : nullptr;
+    bool any = false;
+    for (auto& r : runners) any |= r.open_page(i);
+    if (!any) continue;
+    const int64_t first = a.page_ids[i] * P;
+    int64_t p = 0;
+    if (vnni) {
+      for (; p + 16 <= P; p += 16) {
+        if (next) prefetch_bytes(next + p / 16 * block16, block16);
+        for (auto& r : runners)
+          if (r.open) r.scan_block16(first, p);
+      }
+    } else if (next) {
+      prefetch_bytes(next, page_block);
+    }
+    for (auto& r : runners)
+      if (r.open) {
+        r.scan_tokens(first, p);
+        r.finish_page();
+      }
+  }
+}
 
 }  // namespace
 
@@ -648,23 +836,16 @@ void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     const scalar_t* lp = lo.data_ptr<scalar_t>();
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* rp = radius.data_ptr<scalar_t>();
-    // One task is one chunk with all its KV heads, page by page: a page's codes for all heads
-    // are one contiguous block [P, H_kv, bytes], so they stream from memory once (and the next
-    // page's block is prefetched) instead of being read as strided rows by one task per head.
     // Tasks are taken from a shared counter, not split statically: their costs differ (the
     // candidate count varies along the context), and a static split left one core idle for a
     // large part of a batch-1 step.
-    const int64_t page_block = page_size * a.h_kv * a.bytes;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, n_chunks, 1, [&](int64_t, int64_t) {
       for (int64_t c = next++; c < n_chunks; c = next++) {
         std::vector<ChunkRunner<scalar_t>> runners;
         runners.reserve(a.h_kv);
         for (int64_t k = 0; k < a.h_kv; ++k) runners.emplace_back(a, kc, vc, lp, sp, rp, c, k);
-        for (int64_t i = a.chunk_begin[c]; i < a.chunk_end[c]; ++i) {
-          if (i + 1 < a.chunk_end[c]) prefetch_bytes(a.codes + a.page_ids[i + 1] * page_block, page_block);
-          for (auto& runner : runners) runner.visit(i);
-        }
+        run_chunk(runners, a, c);
         for (int64_t k = 0; k < a.h_kv; ++k) {
           const int64_t task = c * a.h_kv + k, base = task * G;
           runners[k].write(m_out.data_ptr<float>() + base, l_out.data_ptr<float>() + base,
