@@ -9,7 +9,8 @@ import torch
 
 from conftest import make_paged
 from louver_sgl import LouverConfig
-from louver_sgl.decode.fused import compiled_exact_part, merge_reference
+from louver_sgl.decode import threshold as th
+from louver_sgl.decode.fused import chunk_totals_reference, compiled_exact_part, merge_reference
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.step import exact_part
 
@@ -32,7 +33,8 @@ def test_exact_part_matches_torch(dtype):
     q, k, _, plan, cfg = _batch(dtype)
     sigma = 1 / math.sqrt(64)
     want = exact_part(q, k, plan, sigma)
-    got = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
+    got, t = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
+    assert t is None
     torch.testing.assert_close(got.s_dense, want.s_dense, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.ref, want.ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.z_dense, want.z_dense, atol=1e-9, rtol=1e-5)
@@ -41,6 +43,33 @@ def test_exact_part_matches_torch(dtype):
     torch.testing.assert_close(got.sample[0][:, :width], want.sample[0], atol=1e-5, rtol=1e-5)
     assert bool(torch.isneginf(got.sample[0][:, width:]).all())
     assert torch.equal(got.sample[1], want.sample[1])
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0])
+def test_exact_part_budget_threshold_matches_torch(fraction):
+    """The compiled budget T (n-th largest sample score per head) equals threshold.budget_threshold,
+    including requests without samples (−inf) and NaN sample scores (ranked above every number)."""
+    q, k, _, plan, cfg = _batch(torch.float32)
+    k[plan.sample_slots[3], 0, :] = float("nan")  # one NaN score for the heads of KV head 0
+    ex, t = compiled_exact_part(q, k, plan, 0.125, cfg.sample_size, OPS, fraction)
+    want = th.budget_threshold(ex.sample[0], ex.sample[1], fraction)
+    torch.testing.assert_close(t, want, equal_nan=True, atol=0, rtol=0)
+    assert bool(torch.isneginf(t[ex.sample[1] == 0]).all())
+
+
+def test_chunk_totals_match_torch():
+    gen = torch.Generator().manual_seed(4)
+    chunk_req = torch.tensor([0, 0, 1, 3, 3, 3])  # requests 2 and 4 have no chunk
+    h_kv, groups, batch = 3, 2, 5
+    counts = torch.randint(0, 1000, (len(chunk_req), h_kv, 2 * groups + 3), generator=gen)
+    mass = torch.rand(len(chunk_req), h_kv, groups, 3, generator=gen, dtype=torch.float64)
+    per_head = torch.full((batch, h_kv * groups, 2), -1, dtype=torch.long)
+    per_req = torch.full((batch, 3), -1, dtype=torch.long)
+    masses = torch.full((batch, h_kv * groups, 3), -1.0, dtype=torch.float64)
+    OPS.chunk_totals(counts, mass, chunk_req, per_head, per_req, masses)
+    want = chunk_totals_reference(counts, mass, chunk_req, batch)
+    assert torch.equal(per_head, want[0]) and torch.equal(per_req, want[1])
+    torch.testing.assert_close(masses, want[2], atol=1e-12, rtol=1e-12)
 
 
 def test_exact_part_rejects_a_narrow_sample_buffer():

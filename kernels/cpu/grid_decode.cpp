@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -973,6 +974,30 @@ std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_t B) {
   return bounds;
 }
 
+// The budget rule on one head's n sample scores (``stride`` floats apart): the ⌊f·n⌋-th largest
+// (at least the largest), -inf without samples. NaN ranks above every number, as in torch.topk.
+inline float budget_pick(const float* scores, int64_t stride, int64_t n, double fraction, float* scratch) {
+  if (n == 0) return -INFINITY;
+  const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::floor(double(n) * fraction))));
+  int64_t m = 0, nans = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = scores[j * stride];
+    if (std::isnan(x)) {
+      ++nans;
+    } else {
+      scratch[m++] = x;
+    }
+  }
+  if (k <= nans) return NAN;
+  std::nth_element(scratch, scratch + (k - 1 - nans), scratch + m, std::greater<float>());
+  return scratch[k - 1 - nans];
+}
+
+inline float* scratch_for(std::vector<float>& scratch, int64_t n) {
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  return scratch.data();
+}
+
 }  // namespace
 
 // Exact scores of the dense part and of the sample, the reference score and the masses relative
@@ -980,10 +1005,12 @@ std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_t B) {
 // q [B, H_q, D] f32; k_cache [slots, H_kv, D]; dense_slots, dense_req [ND], sample_slots, sample_req
 // [NS] i64, request-sorted -> s_dense [ND, H_q] f32, sample [B, M, H_q] f32 (each request's sample
 // scores in order, padded with -inf; M >= its largest sample), ref [B, H_q] f32 (-inf: no exact
-// score), z [B, H_q, 2] f64 (Σ e^{σ(s − ref)} over the dense part, over the sample).
+// score), z [B, H_q, 2] f64 (Σ e^{σ(s − ref)} over the dense part, over the sample). With a budget
+// fraction f >= 0 it also writes the budget policy's T [B, H_q] f32 (threshold.budget_threshold is
+// the specification); with f < 0, t is not touched.
 void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slots, torch::Tensor dense_req,
-                torch::Tensor sample_slots, torch::Tensor sample_req, double sigma, torch::Tensor s_dense,
-                torch::Tensor sample, torch::Tensor ref, torch::Tensor z) {
+                torch::Tensor sample_slots, torch::Tensor sample_req, double sigma, double budget,
+                torch::Tensor s_dense, torch::Tensor sample, torch::Tensor ref, torch::Tensor z, torch::Tensor t) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), h_kv = k_cache.size(1), G = H / h_kv;
   const int64_t nd = dense_slots.size(0), ns = sample_slots.size(0), M = sample.size(1);
   const float* qp = q.data_ptr<float>();
@@ -993,6 +1020,7 @@ void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slot
   float* sp = sample.data_ptr<float>();
   float* rp = ref.data_ptr<float>();
   double* zp = z.data_ptr<double>();
+  float* tp = budget >= 0.0 ? t.data_ptr<float>() : nullptr;
   const std::vector<int64_t> d_bounds = request_bounds(dr, nd, B), s_bounds = request_bounds(sr, ns, B);
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(s_bounds[b + 1] - s_bounds[b] <= M, "sample buffer narrower than a request's sample");
@@ -1015,6 +1043,7 @@ void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slot
     });
   });
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       float top = -INFINITY;  // NaN propagates, as in torch's amax
@@ -1029,6 +1058,8 @@ void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slot
         zs += std::exp(sigma * (double(sp[(b * M + j) * H + h]) - r));
       zp[bh * 2] = zd;
       zp[bh * 2 + 1] = zs;
+      if (budget >= 0.0)
+        tp[bh] = budget_pick(sp + b * M * H + h, H, s_bounds[b + 1] - s_bounds[b], budget, scratch_for(scratch, M));
     }
   });
 }
@@ -1086,11 +1117,45 @@ void merge_chunks(torch::Tensor s_dense, torch::Tensor dense_slots, torch::Tenso
   });
 }
 
+// Per-request totals of the attend kernel's chunk outputs (fused.chunk_totals_reference is the
+// specification). counts [NC, H_kv, 2G + 3] i64, mass [NC, H_kv, G, 3] f64, chunk_req [NC] i64 ->
+// per_head [B, H_q, 2] i64 (attended, pages skipped), per_req [B, 3] i64 (union candidates, values
+// read, pages read), masses [B, H_q, 3] f64; all outputs are overwritten.
+void chunk_totals(torch::Tensor counts, torch::Tensor mass, torch::Tensor chunk_req, torch::Tensor per_head,
+                  torch::Tensor per_req, torch::Tensor masses) {
+  const int64_t nc = counts.size(0), h_kv = counts.size(1), G = mass.size(2), H = h_kv * G;
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const double* mp = mass.data_ptr<double>();
+  const int64_t* req = chunk_req.data_ptr<int64_t>();
+  int64_t* ph = per_head.data_ptr<int64_t>();
+  int64_t* pr = per_req.data_ptr<int64_t>();
+  double* ms = masses.data_ptr<double>();
+  std::fill(ph, ph + per_head.numel(), 0);
+  std::fill(pr, pr + per_req.numel(), 0);
+  std::fill(ms, ms + masses.numel(), 0.0);
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t b = req[c];
+    for (int64_t k = 0; k < h_kv; ++k) {
+      const int64_t* row = cp + (c * h_kv + k) * (2 * G + 3);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = b * H + k * G + g;
+        ph[h * 2] += row[g];
+        ph[h * 2 + 1] += row[G + g];
+        for (int j = 0; j < 3; ++j) ms[h * 3 + j] += mp[((c * h_kv + k) * G + g) * 3 + j];
+      }
+      pr[b * 3] += row[2 * G];
+      pr[b * 3 + 1] += row[2 * G + 1];
+    }
+    pr[b * 3 + 2] += cp[c * h_kv * (2 * G + 3) + 2 * G + 2];
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grid_bounds", &grid_bounds, "Louver grid page and token upper bounds (CPU)");
   m.def("grid_sparse_attend", &grid_sparse_attend, "Louver grid filter + sparse attention (CPU)");
   m.def("certified_hist", &certified_hist, "Louver certified-threshold histogram (CPU)");
   m.def("certified_dropped", &certified_dropped, "Louver certified dropped-mass recount (CPU)");
   m.def("exact_part", &exact_part, "Louver exact scores of the dense part and sample, ref and masses (CPU)");
+  m.def("chunk_totals", &chunk_totals, "Louver per-request totals of the attend kernel's chunk outputs (CPU)");
   m.def("merge_chunks", &merge_chunks, "Louver merge of the dense part with the attend kernel's chunks (CPU)");
 }

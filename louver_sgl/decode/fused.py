@@ -24,18 +24,21 @@ def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch
 
     ``chunk_pages`` is an upper bound: chunks are made smaller when the batch would otherwise give
     fewer than ``TASKS_PER_THREAD`` chunks per thread (one chunk is one task of the kernel).
+    Host-side planning over the plan's page counts (a few requests: plain lists are cheaper than
+    a dozen small tensor ops).
     """
     threads = torch.get_num_threads()
     chunk_pages = max(1, min(chunk_pages, -(-len(plan.page_ids) // (TASKS_PER_THREAD * threads))))
-    counts = torch.bincount(plan.page_req, minlength=plan.batch_size)
-    starts = torch.cumsum(counts, 0) - counts
-    per_req = (counts + chunk_pages - 1) // chunk_pages
-    chunk_req = torch.repeat_interleave(torch.arange(plan.batch_size), per_req)
-    first = torch.cumsum(per_req, 0) - per_req
-    local = torch.arange(len(chunk_req)) - first[chunk_req]
-    begin = starts[chunk_req] + local * chunk_pages
-    end = torch.minimum(begin + chunk_pages, starts[chunk_req] + counts[chunk_req])
-    return chunk_req, begin, end
+    req, begin, end = [], [], []
+    start = 0
+    for b, count in enumerate(plan.pages_per_request):
+        for first in range(start, start + count, chunk_pages):
+            req.append(b)
+            begin.append(first)
+            end.append(min(first + chunk_pages, start + count))
+        start += count
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long)
+    return as_tensor(req), as_tensor(begin), as_tensor(end)
 
 
 TASKS_PER_THREAD = 4  # enough chunks for the kernel's shared task counter to balance the cores
@@ -48,10 +51,12 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
     groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
-    ex = compiled_exact_part(q32, k_cache, plan, sigma, config.sample_size, ops)
-    t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
-    no_gate = torch.full_like(t, float("-inf"))
-    gate = th.gate_threshold(t) if gates_values(config) else no_gate
+    budget = config.budget if config.policy == "budget" else -1.0
+    ex, t = compiled_exact_part(q32, k_cache, plan, sigma, config.sample_size, ops, budget)
+    index_dropped = None
+    if t is None:
+        t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
+    gate = th.gate_threshold(t) if gates_values(config) else torch.full_like(t, float("-inf"))
     chunk_req, begin, end = page_chunks(plan, chunk_pages)
     n_chunks = len(chunk_req)
     m = torch.empty(n_chunks, h_kv, groups)
@@ -62,17 +67,20 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     meta = store.tensors
     ops.grid_sparse_attend(
         q32, k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], plan.page_ids,
-        chunk_req, begin, end, t.contiguous(), gate.contiguous(), ex.ref.contiguous(), float(sigma),
-        store.config.grid_bits, store.page_size, m, l, o, counts, mass,
+        chunk_req, begin, end, t, gate, ex.ref, float(sigma), store.config.grid_bits, store.page_size,
+        m, l, o, counts, mass,
     )
     result = torch.empty(batch, heads, d_v)
     ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, m.view(n_chunks, heads),
                      l.view(n_chunks, heads), o.view(n_chunks, heads, d_v), chunk_req, float(sigma), result)
-    per_head = lambda x: seg_sum(x.reshape(n_chunks, heads, *x.shape[3:]), chunk_req, batch)
-    masses = per_head(mass)  # [B, H_q, 3]
-    union = seg_sum(counts[..., 2 * groups].sum(1), chunk_req, batch)
+    per_head = torch.empty(batch, heads, 2, dtype=torch.long)
+    per_req = torch.empty(batch, 3, dtype=torch.long)
+    masses = torch.empty(batch, heads, 3, dtype=torch.float64)
+    ops.chunk_totals(counts, mass, chunk_req, per_head, per_req, masses)
+    union = per_req[:, 0]
     fallback = union > config.dense_fallback_fraction * (plan.num_indexed * h_kv).clamp(min=1)
-    result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
+    if bool(fallback.any()):
+        result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
     if out is None:
         out = torch.empty((batch, heads, d_v), dtype=q.dtype)
     out.copy_(result)
@@ -80,29 +88,45 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     if index_dropped is None:  # the kernel's accounting (one exp per page: a looser upper bound)
         index_dropped = masses[..., 0]
     bound = torch.where(fallback[:, None], 0.0, (index_dropped + masses[..., 1]) / z_final)
-    attended = per_head(counts[..., :groups])
     stats = StepStats(
-        threshold=t, candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], attended),
-        pages_skipped=per_head(counts[..., groups: 2 * groups]), mass_bound=bound,
-        num_indexed=plan.num_indexed, num_pages=torch.bincount(plan.page_req, minlength=batch),
-        dense_fallback=fallback, values_read=seg_sum(counts[..., 2 * groups + 1].sum(1), chunk_req, batch),
-        union_candidates=union, pages_read=seg_sum(counts[:, 0, 2 * groups + 2], chunk_req, batch),
+        threshold=t, candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], per_head[..., 0]),
+        pages_skipped=per_head[..., 1], mass_bound=bound, num_indexed=plan.num_indexed,
+        num_pages=plan.num_pages, dense_fallback=fallback, values_read=per_req[:, 1], union_candidates=union,
+        pages_read=per_req[:, 2],
     )
     return out, stats
 
 
-def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_size: int, ops) -> ExactPart:
+def chunk_totals_reference(counts, mass, chunk_req, batch):
+    """Per-request totals of the attend kernel's chunk outputs: per_head ``[B, H_q, 2]`` (attended,
+    pages skipped), per_req ``[B, 3]`` (union candidates, values read, pages read of KV head 0's
+    task), masses ``[B, H_q, 3]``. The specification of the compiled ``chunk_totals``."""
+    n_chunks, h_kv, width = counts.shape
+    groups = (width - 3) // 2
+    heads = h_kv * groups
+    per_head = seg_sum(torch.stack([counts[..., :groups], counts[..., groups: 2 * groups]], -1)
+                       .reshape(n_chunks, heads, 2), chunk_req, batch)
+    per_req = seg_sum(torch.stack([counts[..., 2 * groups].sum(1), counts[..., 2 * groups + 1].sum(1),
+                                   counts[:, 0, 2 * groups + 2]], -1), chunk_req, batch)
+    masses = seg_sum(mass.reshape(n_chunks, heads, 3), chunk_req, batch)
+    return per_head, per_req, masses
+
+
+def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_size: int, ops,
+                        budget: float = -1.0) -> tuple[ExactPart, torch.Tensor | None]:
     """``step.exact_part`` in one compiled call (the sample padded to ``sample_size`` rows, which
-    the budget quantile does not see: padding is −inf)."""
+    the budget quantile does not see: padding is −inf), and with ``budget`` >= 0 the budget
+    policy's T ``[B, H_q]`` (else None)."""
     batch, heads = q32.shape[:2]
     s_dense = torch.empty(len(plan.dense_slots), heads)
     sample = torch.empty(batch, sample_size, heads)
     ref = torch.empty(batch, heads)
     z = torch.empty(batch, heads, 2, dtype=torch.float64)
+    t = torch.empty(batch, heads)
     ops.exact_part(q32, k_cache, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
-                   float(sigma), s_dense, sample, ref, z)
-    counts = torch.bincount(plan.sample_req, minlength=batch)
-    return ExactPart(s_dense, ref, z[..., 0], z[..., 0] + z[..., 1], (sample, counts))
+                   float(sigma), float(budget), s_dense, sample, ref, z, t)
+    ex = ExactPart(s_dense, ref, z[..., 0], z[..., 0] + z[..., 1], (sample, plan.samples_per_request))
+    return ex, (t if budget >= 0 else None)
 
 
 def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):

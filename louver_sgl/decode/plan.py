@@ -21,7 +21,8 @@ class DecodePlan:
     """Flat index lists of one decode batch (all int64 on the KV device).
 
     dense_slots/dense_req ``[ND]``; page_ids/page_req ``[NP]``; sample_slots/sample_req ``[NS]``;
-    num_indexed ``[B]`` indexed tokens per request; seq_lens ``[B]``.
+    num_indexed ``[B]`` indexed tokens per request; num_pages ``[B]`` indexed pages per request (also
+    as the host list ``pages_per_request``); samples_per_request ``[B]``; seq_lens ``[B]``.
     """
 
     batch_size: int
@@ -33,7 +34,10 @@ class DecodePlan:
     sample_slots: torch.Tensor
     sample_req: torch.Tensor
     num_indexed: torch.Tensor
+    num_pages: torch.Tensor
+    samples_per_request: torch.Tensor
     seq_lens: torch.Tensor
+    pages_per_request: tuple[int, ...]
 
 
 def split_pages(num_tokens: int, config: LouverConfig) -> tuple[range, range, range]:
@@ -64,7 +68,7 @@ def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, config: Louver
         raise ValueError(f"seq_lens must lie in [1, {page_table.shape[1] * size}], got {lens}")
     table = page_table.long().cpu()
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ds", "dr", "pi", "pr", "ss", "sr")}
-    num_indexed = []
+    num_indexed, num_samples = [], []
     for b, n in enumerate(lens):
         sink, indexed, recent = split_pages(n, config)
         dense_pos = torch.cat([
@@ -75,6 +79,7 @@ def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, config: Louver
         parts["pi"].append(pages)
         idx_pos = _sample_positions(len(pages) * size, config.sample_size)
         parts["ss"].append(pages[idx_pos // size] * size + idx_pos % size)
+        num_samples.append(len(idx_pos))
         for key, src in (("dr", "ds"), ("pr", "pi"), ("sr", "ss")):
             parts[key].append(torch.full((len(parts[src][-1]),), b, dtype=torch.long))
         num_indexed.append(len(pages) * size)
@@ -85,7 +90,10 @@ def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, config: Louver
         dense_slots=cat["ds"], dense_req=cat["dr"], page_ids=cat["pi"], page_req=cat["pr"],
         sample_slots=cat["ss"], sample_req=cat["sr"],
         num_indexed=torch.tensor(num_indexed, dtype=torch.long, device=dev),
+        num_pages=torch.tensor([n // size for n in num_indexed], dtype=torch.long, device=dev),
+        samples_per_request=torch.tensor(num_samples, dtype=torch.long, device=dev),
         seq_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+        pages_per_request=tuple(n // size for n in num_indexed),
     )
 
 

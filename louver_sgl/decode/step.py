@@ -288,7 +288,7 @@ def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, b
         threshold=filt.threshold, pages_skipped=filt.pages_skipped,
         candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], own.view(batch, heads)),
         mass_bound=torch.where(fallback[:, None], torch.zeros_like(gate.mass_bound), gate.mass_bound),
-        num_indexed=plan.num_indexed, num_pages=torch.bincount(plan.page_req, minlength=batch),
+        num_indexed=plan.num_indexed, num_pages=plan.num_pages,
         dense_fallback=fallback, values_read=values,
         union_candidates=torch.bincount(cand.req, minlength=batch),
         pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
