@@ -21,3 +21,13 @@ def test_dense_variants_agree_with_dense_attention():
             got = fn()[b].reshape(want.shape).float()
             tol = 2e-2 if "float32" not in name else 1e-4
             torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
+
+
+def test_paired_timing_alternates_and_times_both():
+    """timeit_paired calls the two functions in alternation (AB, BA, ...) and returns both medians."""
+    from benchmarks.decode_cpu import timeit_paired
+
+    calls = []
+    base_ms, fn_ms = timeit_paired(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert base_ms >= 0 and fn_ms >= 0
