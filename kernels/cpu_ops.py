@@ -15,7 +15,11 @@ import platform
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "cpu" / "grid_decode.cpp"
+_SOURCE_DIR = Path(__file__).parent / "cpu"
+
+
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
 
 
 def cpu_model_name() -> str:
@@ -30,7 +34,10 @@ def cpu_model_name() -> str:
 
 
 def _build_dir() -> Path:
-    key = hashlib.sha256(_SOURCE.read_bytes() + cpu_model_name().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(cpu_model_name().encode())
+    for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
+    key = digest.hexdigest()[:16]
     root = Path(os.environ.get("LOUVER_KERNEL_CACHE", Path.home() / ".cache" / "louver_sgl" / "kernels"))
     path = root / f"grid_decode_{key}"
     path.mkdir(parents=True, exist_ok=True)
@@ -39,13 +46,13 @@ def _build_dir() -> Path:
 
 @functools.cache
 def load_cpu_ops():
-    """The compiled module with ``grid_token_bounds`` and ``grid_sparse_attend``."""
+    """The compiled module (ops: see kernels/cpu/module.cpp)."""
     from torch.utils import cpp_extension
 
     logger.info("loading louver CPU kernels (compiles on first use)")
     return cpp_extension.load(
         name="louver_grid_decode",
-        sources=[str(_SOURCE)],
+        sources=[str(p) for p in _sources()],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-DAT_PARALLEL_OPENMP=1"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(_build_dir()),

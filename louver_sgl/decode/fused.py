@@ -1,10 +1,12 @@
-"""Decode step with the compiled CPU kernel for the grid family (same contract as the torch path).
+"""Decode step with the compiled CPU kernels for the grid family (same contract as the torch path).
 
-Torch computes the exact dense part and the threshold; one compiled pass per (request, KV head,
-chunk of pages) does the page bounds, token bounds, the GQA-union candidate gate, exact scores from
-candidate keys, the value gate, an online softmax and the dropped-mass accounting; the chunks'
-partial softmax states are merged with the dense part here. Certified steps first run the compiled
-bound pass over every page to choose T (it needs the histogram of all token bounds).
+The compiled attend pass does, per (request, chunk of pages) task and for every KV head, the page
+bounds, token bounds, the GQA-union candidate gate, exact scores from candidate keys, the value
+gate, an online softmax and the dropped-mass accounting; the chunks' partial softmax states are
+then merged with the dense part. Budget, fixed and dense steps run all of it (exact part and T
+included) as one call, ``fused_step``; certified steps first run the compiled bound passes over
+every page to choose T (they need the histogram of all token bounds), then the same phases as ops.
+Every compiled phase has its torch specification here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
@@ -41,44 +43,48 @@ def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch
     return as_tensor(req), as_tensor(begin), as_tensor(end)
 
 
-TASKS_PER_THREAD = 4  # enough chunks for the kernel's shared task counter to balance the cores
+TASKS_PER_THREAD = 16  # enough chunks for the shared task counter to balance the cores (cold caches make chunk costs uneven)
 
 
 def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
                      config: LouverConfig, ops, chunk_pages: int, out=None):
-    """Fused-kernel version of ``run_decode`` (grid family, CPU tensors)."""
-    batch, heads, dim = q.shape
+    """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
+
+    Budget, fixed and dense steps are one compiled call (``fused_step``); certified steps run the
+    exact part, the bound passes that choose T, then the attend, merge and totals ops.
+    """
+    batch, heads, _ = q.shape
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
     groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
-    budget = config.budget if config.policy == "budget" else -1.0
-    ex, t = compiled_exact_part(q32, k_cache, plan, sigma, config.sample_size, ops, budget)
-    index_dropped = None
-    if t is None:
-        t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
-    gate = th.gate_threshold(t) if gates_values(config) else torch.full_like(t, float("-inf"))
     chunk_req, begin, end = page_chunks(plan, chunk_pages)
     n_chunks = len(chunk_req)
-    m = torch.empty(n_chunks, h_kv, groups)
-    l = torch.empty_like(m)
-    o = torch.empty(n_chunks, h_kv, groups, d_v)
-    counts = torch.empty(n_chunks, h_kv, 2 * groups + 3, dtype=torch.long)
-    mass = torch.empty(n_chunks, h_kv, groups, 3, dtype=torch.float64)
+    part = _Outputs(batch, heads, h_kv, d_v, n_chunks, len(plan.dense_slots), config.sample_size)
     meta = store.tensors
-    ops.grid_sparse_attend(
-        q32, k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], plan.page_ids,
-        chunk_req, begin, end, t, gate, ex.ref, float(sigma), store.config.grid_bits, store.page_size,
-        m, l, o, counts, mass,
-    )
-    result = torch.empty(batch, heads, d_v)
-    ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, m.view(n_chunks, heads),
-                     l.view(n_chunks, heads), o.view(n_chunks, heads, d_v), chunk_req, float(sigma), result)
-    per_head = torch.empty(batch, heads, 2, dtype=torch.long)
-    per_req = torch.empty(batch, 3, dtype=torch.long)
-    masses = torch.empty(batch, heads, 3, dtype=torch.float64)
-    ops.chunk_totals(counts, mass, chunk_req, per_head, per_req, masses)
+    index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
+    index_dropped = None
+    if config.policy == "certified":
+        ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
+        t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
+        gate = torch.full_like(t, float("-inf"))  # certified steps attend every candidate
+        ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, gate, ex.ref,
+                               float(sigma), store.config.grid_bits, store.page_size, *part.attend)
+        ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
+                         float(sigma), part.result)
+        ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
+    else:
+        static = th.static_threshold(config, 1, 1)
+        t_fixed = float(static[0, 0]) if static is not None else 0.0
+        budget = config.budget if config.policy == "budget" else -1.0
+        ops.fused_step(q32, k_cache, v_cache, *index, plan.dense_slots, plan.dense_req, plan.sample_slots,
+                       plan.sample_req, plan.page_ids, chunk_req, begin, end, float(sigma), float(budget), t_fixed,
+                       gates_values(config), store.config.grid_bits, store.page_size, *part.exact, part.t, part.gate,
+                       *part.attend, part.result, *part.totals)
+        ex, t = part.exact_part(plan), part.t
+    per_head, per_req, masses = part.totals
     union = per_req[:, 0]
     fallback = union > config.dense_fallback_fraction * (plan.num_indexed * h_kv).clamp(min=1)
+    result = part.result
     if bool(fallback.any()):
         result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
     if out is None:
@@ -95,6 +101,49 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
         pages_read=per_req[:, 2],
     )
     return out, stats
+
+
+class _Outputs:
+    """The compiled step's output buffers (allocated per step; shapes in the op comments)."""
+
+    def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size):
+        groups = heads // h_kv
+        self.s_dense = torch.empty(n_dense, heads)
+        self.sample = torch.empty(batch, sample_size, heads)
+        self.ref = torch.empty(batch, heads)
+        self.z = torch.empty(batch, heads, 2, dtype=torch.float64)
+        self.t = torch.empty(batch, heads)
+        self.gate = torch.empty(batch, heads)
+        self.m = torch.empty(n_chunks, h_kv, groups)
+        self.l = torch.empty(n_chunks, h_kv, groups)
+        self.o = torch.empty(n_chunks, h_kv, groups, d_v)
+        self.counts = torch.empty(n_chunks, h_kv, 2 * groups + 3, dtype=torch.long)
+        self.mass = torch.empty(n_chunks, h_kv, groups, 3, dtype=torch.float64)
+        self.result = torch.empty(batch, heads, d_v)
+        self.totals = (torch.empty(batch, heads, 2, dtype=torch.long), torch.empty(batch, 3, dtype=torch.long),
+                       torch.empty(batch, heads, 3, dtype=torch.float64))
+
+    @property
+    def exact(self):
+        return self.s_dense, self.sample, self.ref, self.z
+
+    @property
+    def attend(self):
+        return self.m, self.l, self.o, self.counts, self.mass
+
+    def merge_inputs(self):
+        n, heads = self.m.shape[0], self.ref.shape[1]
+        return self.m.view(n, heads), self.l.view(n, heads), self.o.view(n, heads, -1)
+
+    def exact_part(self, plan: DecodePlan) -> ExactPart:
+        z = self.z
+        return ExactPart(self.s_dense, self.ref, z[..., 0], z[..., 0] + z[..., 1], (self.sample, plan.samples_per_request))
+
+
+def _exact(ops, q32, k_cache, plan: DecodePlan, sigma: float, part: _Outputs, budget: float) -> ExactPart:
+    ops.exact_part(q32, k_cache, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
+                   float(sigma), float(budget), *part.exact, part.t)
+    return part.exact_part(plan)
 
 
 def chunk_totals_reference(counts, mass, chunk_req, batch):
@@ -118,15 +167,9 @@ def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_siz
     the budget quantile does not see: padding is −inf), and with ``budget`` >= 0 the budget
     policy's T ``[B, H_q]`` (else None)."""
     batch, heads = q32.shape[:2]
-    s_dense = torch.empty(len(plan.dense_slots), heads)
-    sample = torch.empty(batch, sample_size, heads)
-    ref = torch.empty(batch, heads)
-    z = torch.empty(batch, heads, 2, dtype=torch.float64)
-    t = torch.empty(batch, heads)
-    ops.exact_part(q32, k_cache, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
-                   float(sigma), float(budget), s_dense, sample, ref, z, t)
-    ex = ExactPart(s_dense, ref, z[..., 0], z[..., 0] + z[..., 1], (sample, plan.samples_per_request))
-    return ex, (t if budget >= 0 else None)
+    part = _Outputs(batch, heads, k_cache.shape[1], k_cache.shape[2], 0, len(plan.dense_slots), sample_size)
+    ex = _exact(ops, q32, k_cache, plan, sigma, part, budget)
+    return ex, (part.t if budget >= 0 else None)
 
 
 def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):

@@ -1,0 +1,418 @@
+// The attend pass of the grid family: per (request, chunk of pages) task, for every KV head,
+// page bounds, token bounds (16-token VNNI blocks), the candidate gate (any head of the GQA
+// group), exact scores from the candidates' keys, the value gate, an online softmax with V read
+// only for attended rows, and the dropped-mass accounting. Partial softmax states per chunk are
+// merged afterwards (split-K), so both cores stay busy even at batch 1.
+#pragma once
+
+#include "common.h"
+
+namespace louver_cpu {
+
+struct AttendArgs {
+  const float* q;          // [B, H_q, D]
+  const uint8_t* codes;    // [slots, H_kv, bytes]
+  const int64_t* page_ids; // [NP] grouped by request
+  const int64_t* chunk_req;    // [NC] request of each chunk
+  const int64_t* chunk_begin;  // [NC] first page row
+  const int64_t* chunk_end;    // [NC] one past the last page row
+  const float* t;          // [B, H_q] threshold for page and token bounds
+  const float* t_gate;     // [B, H_q] value gate threshold (-inf: attend every candidate)
+  const float* ref;        // [B, H_q] reference score of the mass accounting
+  float sigma;
+  int64_t h_q, h_kv, groups, dim, dim_v, bytes, page_size, bits, n_chunks;
+  // outputs per (chunk, KV head), see grid_sparse_attend
+  float *m_out, *l_out, *o_out;
+  int64_t* counts;
+  double* mass;
+};
+
+// Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
+// pages count P·e^{σ(pb − ref)}, kept pages their tokens below T), mass[1] value-gated candidates
+// (exact score below the gate threshold; an upper bound), mass[2] every union candidate (a lower
+// bound: it only enlarges the softmax denominator's lower bound).
+struct HeadState {
+  float m = -INFINITY, l = 0.f;
+  int64_t attended = 0, skipped = 0;
+  double mass[3] = {0.0, 0.0, 0.0};
+};
+
+inline double rel_mass(float sigma, float x, float ref) {
+  return std::exp(std::min(700.0, double(sigma) * (double(x) - double(ref))));
+}
+
+// Relative safety of masses summed from exp_pd8 (error < 1e-15 per term).
+constexpr double kMassUp = 1.0 + 0x1p-40, kMassDown = 1.0 - 0x1p-40;
+
+template <typename KV>
+struct ChunkRunner {
+  const AttendArgs& a;
+  const KV *kc, *vc, *lo, *sc, *rad;
+  int64_t b, k, head0;
+  bool open = false, vector_scores;
+  std::vector<float> buf, acc, w, off, pb, step, drop_max, book, rows16, score, weight;
+  std::vector<int8_t> wq, wsplit;
+  std::vector<int32_t> idot;
+  std::vector<uint8_t> page_codes;
+  std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
+  std::vector<int64_t> drop_count, cand_slot;
+  std::vector<char> keep_page;
+  std::vector<HeadState> st;
+  int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
+
+  ChunkRunner(const AttendArgs& args, const KV* kc_, const KV* vc_, const KV* lo_, const KV* sc_,
+              const KV* rad_, int64_t chunk, int64_t kv_head)
+      : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
+        head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
+        vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0),
+        buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
+        off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups), book(3 * args.dim),
+        rows16(16 * args.dim), score(args.groups * padded(args.page_size)),
+        weight(args.groups * padded(args.page_size)), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
+        idot(args.groups), page_codes(args.page_size * args.dim),
+        attend_bits(args.groups * padded(args.page_size) / 16), need_bits(padded(args.page_size) / 16),
+        drop_count(args.groups), cand_slot(args.page_size), keep_page(args.groups), st(args.groups) {}
+
+  static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+  // Page bounds of page row i; if some head of the group keeps the page, its token weights are
+  // quantised and the page is open for scanning. Returns whether it is open.
+  bool open_page(int64_t i) {
+    const int64_t G = a.groups, D = a.dim, meta = (a.page_ids[i] * a.h_kv + k) * D;
+    load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
+    page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
+               off.data(), pb.data());
+    open = false;
+    for (int64_t g = 0; g < G; ++g) {
+      keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
+      if (!keep_page[g]) {
+        st[g].skipped += 1;
+        st[g].mass[0] += double(a.page_size) * rel_mass(a.sigma, pb[g], a.ref[head0 + g]);
+      }
+      open |= keep_page[g];
+    }
+    if (!open) return false;
+    ++n_pages_read;
+    n_cand = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
+      drop_count[g] = 0;
+      drop_max[g] = -INFINITY;
+    }
+    if (vnni_scan()) {
+      for (int64_t g = 0; g < G; ++g) nibble_order(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
+    }
+    return true;
+  }
+
+  bool vnni_scan() const { return kHaveVnni && a.dim % 64 == 0 && (a.bits == 4 || a.bits == 8) && a.groups <= 8; }
+
+  // Token bounds of the open page's tokens p .. p+15 (int8 weights against byte codes, VNNI), then
+  // the candidate gate. Dropped tokens are accounted per head by count and largest bound:
+  // n·e^{σ(max u − ref)} bounds their mass with one exp per page.
+  void scan_block16(int64_t first, int64_t p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t G = a.groups, stride = a.h_kv * a.bytes;
+    __m512i dots[8];
+    dot_block16_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, stride, a.bits, a.dim, wsplit.data(), G, dots);
+    uint32_t cand = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (!keep_page[g]) continue;
+      // off + step·acc with the same fp32 operations (and rounding) as the per-token loop
+      const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
+                                      _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
+      const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
+      if (drop) {
+        drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
+        drop_max[g] = std::max(drop_max[g], _mm512_mask_reduce_max_ps(drop, ub));
+      }
+      cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
+    }
+    for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
+#else
+    (void)first;
+    (void)p;
+#endif
+  }
+
+  // The same bounds and gate for tokens p .. P−1, one token at a time (pages not a multiple of 16,
+  // or no VNNI / a D that is not a multiple of 64).
+  void scan_tokens(int64_t first, int64_t p) {
+    const int64_t G = a.groups, D = a.dim, P = a.page_size;
+    const bool vnni = vnni_scan();
+    if (!vnni && p < P)
+      unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
+    for (; p < P; ++p) {
+      if (vnni) {
+        dot_token_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, a.bits, D, wsplit.data(), G, idot.data());
+      } else {
+        for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
+      }
+      bool cand = false;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!keep_page[g]) continue;
+        const float ub = off[g] + step[g] * static_cast<float>(idot[g]);
+        if (ub < a.t[head0 + g]) {
+          ++drop_count[g];
+          drop_max[g] = std::max(drop_max[g], ub);
+        } else {
+          cand = true;  // NaN keeps
+        }
+      }
+      if (cand) add_candidate(first + p);
+    }
+  }
+
+  // Candidates are gathered first and their K rows prefetched, so that the random row reads
+  // overlap instead of stalling one by one.
+  void add_candidate(int64_t slot) {
+    cand_slot[n_cand++] = slot;
+    prefetch_row(kc + (slot * a.h_kv + k) * a.dim, a.dim);
+  }
+
+  static void prefetch_row(const KV* row, int64_t n) { prefetch_bytes(row, n * static_cast<int64_t>(sizeof(KV))); }
+
+  // After the scan of an open page: dropped-mass accounting, exact scores of the candidates
+  // (keys first), the value gate, then V only for the rows some head attends.
+  void finish_page() {
+    const int64_t G = a.groups;
+    for (int64_t g = 0; g < G; ++g)
+      if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
+    if (n_cand == 0) return;
+    n_union += n_cand;
+    if (vector_scores) {
+      score_candidates16();
+    } else {
+      score_candidates();
+    }
+    attend_candidates();
+  }
+
+  // Exact scores of the candidates [G, n_cand] in ``score``, attend/need flags and the masses
+  // of the candidates (per token; the reference for the vector version below).
+  void score_candidates() {
+    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    std::fill(attend_bits.begin(), attend_bits.end(), 0);
+    std::fill(need_bits.begin(), need_bits.end(), 0);
+    for (int64_t c = 0; c < n_cand; ++c) {
+      load_f32(kc + (cand_slot[c] * a.h_kv + k) * D, D, buf.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = dot(buf.data(), a.q + (head0 + g) * D, static_cast<int>(D));
+        score[g * P16 + c] = s;
+        const double e = rel_mass(a.sigma, s, a.ref[head0 + g]);
+        const bool attend = !(s < a.t_gate[head0 + g]);
+        st[g].mass[2] += e;
+        if (!attend) st[g].mass[1] += e;
+        if (attend) {
+          attend_bits[g * (P16 / 16) + c / 16] |= uint16_t(1u << (c % 16));
+          need_bits[c / 16] |= uint16_t(1u << (c % 16));
+        }
+      }
+    }
+  }
+
+  // score_candidates for 16 candidates at a time: K rows to fp32 scratch, G·16 FMA rows reduced
+  // by the transposing add tree, masses with the 8-lane fp64 exp (bounded by kMassUp/kMassDown).
+  void score_candidates16() {
+#if defined(__AVX512F__)
+    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, n_cand - c0);
+      const __mmask16 valid = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
+      for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
+      uint16_t need = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = a.q + (head0 + g) * D;
+        __m512 v[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 sum = _mm512_setzero_ps();
+          if (t < nb)
+            for (int64_t j = 0; j < D; j += 16)
+              sum = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), _mm512_loadu_ps(qg + j), sum);
+          v[t] = sum;
+        }
+        const __m512 s = lane_sums16_ps(v);
+        _mm512_storeu_ps(score.data() + g * P16 + c0, s);
+        const __mmask16 attend = valid & ~_mm512_cmp_ps_mask(s, _mm512_set1_ps(a.t_gate[head0 + g]), _CMP_LT_OQ);
+        attend_bits[g * (P16 / 16) + c0 / 16] = attend;
+        need |= attend;
+        add_masses(s, valid, attend, st[g], a.ref[head0 + g]);
+      }
+      need_bits[c0 / 16] = need;
+      for (uint32_t bits = need; bits; bits &= bits - 1)
+        prefetch_row(vc + (cand_slot[c0 + __builtin_ctz(bits)] * a.h_kv + k) * a.dim_v, a.dim_v);
+    }
+#endif
+  }
+
+#if defined(__AVX512F__)
+  // mass[2] += Σ e^{σ(s − ref)} over valid lanes (rounded down; lanes below e^-700 and NaN count
+  // 0), mass[1] += the same over valid lanes not attended (rounded up; exponents clamp at −700).
+  void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, float ref) const {
+    const __m512d sig = _mm512_set1_pd(a.sigma), r = _mm512_set1_pd(ref), floor = _mm512_set1_pd(-700.0);
+    const __m512d halves[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
+                               _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)))};
+    double all = 0.0, gated = 0.0;
+    for (int half = 0; half < 2; ++half) {
+      const __m512d x = _mm512_mul_pd(sig, _mm512_sub_pd(halves[half], r));
+      const __m512d e = exp_pd8(x);
+      const __mmask8 ok = static_cast<__mmask8>(valid >> (8 * half)) & _mm512_cmp_pd_mask(x, floor, _CMP_GE_OQ);
+      const __mmask8 drop = static_cast<__mmask8>((valid & ~attend) >> (8 * half));
+      all += _mm512_mask_reduce_add_pd(ok, e);
+      gated += _mm512_mask_reduce_add_pd(drop, e);
+    }
+    h.mass[2] += all * kMassDown;
+    h.mass[1] += gated * kMassUp;
+  }
+#endif
+
+  // Online softmax over the page's attended candidates: one rescale per head and page to the
+  // page's largest score, then each needed V row is read once for all heads of the group.
+  void attend_candidates() {
+    const int64_t G = a.groups, DV = a.dim_v, P16 = padded(a.page_size), blocks = (n_cand + 15) / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      HeadState& h = st[g];
+      const float* sg = score.data() + g * P16;
+      const uint16_t* ab = attend_bits.data() + g * (P16 / 16);
+      float top = -INFINITY;
+      int64_t count = 0;
+      for (int64_t c = 0; c < n_cand; ++c)
+        if (ab[c / 16] >> (c % 16) & 1) {
+          ++count;
+          top = std::max(top, a.sigma * sg[c]);  // NaN scores do not move the maximum
+        }
+      float* wg = weight.data() + g * P16;
+      if (count == 0) {
+        std::fill(wg, wg + n_cand, 0.f);
+        continue;
+      }
+      h.attended += count;
+      if (top > h.m) {  // rescale the running sum to the new maximum
+        const float scale = std::exp(h.m - top);
+        h.l *= scale;
+        float* ag = acc.data() + g * DV;
+        for (int64_t d = 0; d < DV; ++d) ag[d] *= scale;
+        h.m = top;
+      }
+      page_weights(sg, ab, blocks, h, wg);
+    }
+    for (int64_t c = 0; c < n_cand; ++c) {
+      if (!(need_bits[c / 16] >> (c % 16) & 1)) continue;
+      ++n_values;
+      load_f32(vc + (cand_slot[c] * a.h_kv + k) * DV, DV, buf.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float e = weight[g * P16 + c];
+        if (e != 0.f) axpy(acc.data() + g * DV, e, buf.data(), DV);
+      }
+    }
+  }
+
+  // Softmax weights e^{σ·s − m} of one head's candidates (0 where not attended) into wg; adds
+  // them to h.l.
+  void page_weights(const float* sg, const uint16_t* ab, int64_t blocks, HeadState& h, float* wg) const {
+#if defined(__AVX512F__)
+    if (vector_scores) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_loadu_ps(sg + 16 * blk)),
+                                       _mm512_set1_ps(h.m));
+        const __m512 e = _mm512_maskz_mov_ps(ab[blk], exp_ps16(x));
+        _mm512_storeu_ps(wg + 16 * blk, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      h.l += _mm512_reduce_add_ps(sum);
+      return;
+    }
+#endif
+    for (int64_t c = 0; c < blocks * 16; ++c) {
+      const bool on = c < n_cand && (ab[c / 16] >> (c % 16) & 1);
+      wg[c] = on ? std::exp(a.sigma * sg[c] - h.m) : 0.f;
+      h.l += wg[c];
+    }
+  }
+
+  void write(float* m_out, float* l_out, float* o_out, int64_t* counts, double* mass_out) const {
+    const int64_t G = a.groups, DV = a.dim_v;
+    for (int64_t g = 0; g < G; ++g) {
+      m_out[g] = st[g].m;
+      l_out[g] = st[g].l;
+      for (int64_t d = 0; d < DV; ++d) o_out[g * DV + d] = acc[g * DV + d];
+      counts[g] = st[g].attended;
+      counts[G + g] = st[g].skipped;
+      for (int j = 0; j < 3; ++j) mass_out[g * 3 + j] = st[g].mass[j];
+    }
+    counts[2 * G] = n_union;
+    counts[2 * G + 1] = n_values;
+    counts[2 * G + 2] = n_pages_read;
+  }
+};
+
+// One chunk of pages for all KV heads. A page's codes for all heads are one contiguous block
+// [P, H_kv, bytes]; the scan walks it in 16-token blocks with every open head per block, so the
+// block streams from memory once and in order, while the same block of the next page is
+// prefetched.
+template <typename KV>
+void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64_t c) {
+  const int64_t P = a.page_size, page_block = P * a.h_kv * a.bytes, block16 = 16 * a.h_kv * a.bytes;
+  const bool vnni = runners[0].vnni_scan();
+  for (int64_t i = a.chunk_begin[c]; i < a.chunk_end[c]; ++i) {
+    const uint8_t* next = i + 1 < a.chunk_end[c] ? a.codes + a.page_ids[i + 1] * page_block : nullptr;
+    bool any = false;
+    for (auto& r : runners) any |= r.open_page(i);
+    if (!any) continue;
+    const int64_t first = a.page_ids[i] * P;
+    int64_t p = 0;
+    if (vnni) {
+      for (; p + 16 <= P; p += 16) {
+        if (next) prefetch_bytes(next + p / 16 * block16, block16);
+        for (auto& r : runners)
+          if (r.open) r.scan_block16(first, p);
+      }
+    } else if (next) {
+      prefetch_bytes(next, page_block);
+    }
+    for (auto& r : runners)
+      if (r.open) {
+        r.scan_tokens(first, p);
+        r.finish_page();
+      }
+  }
+}
+
+// Arguments of the attend pass from its tensors (shapes as in grid_sparse_attend).
+inline AttendArgs attend_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& codes, const torch::Tensor& page_ids, const torch::Tensor& chunk_req,
+                              const torch::Tensor& chunk_begin, const torch::Tensor& chunk_end, const torch::Tensor& t,
+                              const torch::Tensor& t_gate, const torch::Tensor& ref, double sigma, int64_t bits,
+                              int64_t page_size, torch::Tensor& m_out, torch::Tensor& l_out, torch::Tensor& o_out,
+                              torch::Tensor& counts, torch::Tensor& mass) {
+  return AttendArgs{q.data_ptr<float>(), codes.data_ptr<uint8_t>(), page_ids.data_ptr<int64_t>(),
+                    chunk_req.data_ptr<int64_t>(), chunk_begin.data_ptr<int64_t>(), chunk_end.data_ptr<int64_t>(),
+                    t.data_ptr<float>(), t_gate.data_ptr<float>(), ref.data_ptr<float>(), static_cast<float>(sigma),
+                    q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), v_cache.size(2),
+                    codes.size(2), page_size, bits, chunk_req.size(0), m_out.data_ptr<float>(),
+                    l_out.data_ptr<float>(), o_out.data_ptr<float>(), counts.data_ptr<int64_t>(),
+                    mass.data_ptr<double>()};
+}
+
+// One thread's share of the attend pass: chunks taken from the shared counter ``next`` until none
+// is left. Tasks are not split statically: their costs differ (the candidate count varies along
+// the context), and a static split left one core idle for a large part of a batch-1 step.
+template <typename KV>
+void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo, const KV* sc, const KV* rad,
+                   std::atomic<int64_t>& next) {
+  const int64_t G = a.groups;
+  for (int64_t c = next++; c < a.n_chunks; c = next++) {
+    std::vector<ChunkRunner<KV>> runners;
+    runners.reserve(a.h_kv);
+    for (int64_t k = 0; k < a.h_kv; ++k) runners.emplace_back(a, kc, vc, lo, sc, rad, c, k);
+    run_chunk(runners, a, c);
+    for (int64_t k = 0; k < a.h_kv; ++k) {
+      const int64_t task = c * a.h_kv + k, base = task * G;
+      runners[k].write(a.m_out + base, a.l_out + base, a.o_out + base * a.dim_v, a.counts + task * (2 * G + 3),
+                       a.mass + base * 3);
+    }
+  }
+}
+
+}  // namespace louver_cpu

@@ -1,0 +1,404 @@
+// Shared helpers of the compiled CPU kernels of the Louver decode step (grid bound family):
+// dtype loads, SIMD reductions and exps, the int8 / VNNI token-dot machinery, page terms and the
+// int8 weight quantisation. Every op of the module only reads caller-owned inputs and writes
+// caller-owned outputs.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace louver_cpu {
+
+// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512 where it applies).
+template <typename T>
+inline void load_f32(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+
+inline void load_f32(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is the top half of fp32
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    dst[i] = f;
+  }
+}
+
+// Unpack one token's packed codes [bytes] into floats [dim].
+inline void unpack_row(const uint8_t* src, int bits, int dim, float* dst) {
+  if (bits == 8) {
+    for (int d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+  } else if (bits == 4) {
+    for (int j = 0; j < dim / 2; ++j) {
+      dst[2 * j] = static_cast<float>(src[j] & 0xF);
+      dst[2 * j + 1] = static_cast<float>(src[j] >> 4);
+    }
+  } else {  // 2 bits
+    for (int j = 0; j < dim / 4; ++j) {
+      const uint8_t b = src[j];
+      dst[4 * j] = static_cast<float>(b & 3);
+      dst[4 * j + 1] = static_cast<float>((b >> 2) & 3);
+      dst[4 * j + 2] = static_cast<float>((b >> 4) & 3);
+      dst[4 * j + 3] = static_cast<float>(b >> 6);
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// y += a·x over n floats.
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// Query terms of one page and KV head, for its G query heads (see louver_sgl/index/grid.py):
+// token bound = off[g] + Σ_d w[g][d]·code_d; page bound pb[g]; both include the fp32 slack
+// (same formula as numerics.dot_slack with num_terms = 2·D + 2). lo/sc/rad are fp32 rows [D].
+inline void page_terms(const float* qk, const float* lo, const float* sc, const float* rad, int64_t G,
+                       int64_t D, int64_t bits, float* w, float* off, float* pb) {
+  const float levels = static_cast<float>(1 << bits);
+  const float terms = static_cast<float>(2 * D + 2 + 8);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qk + g * D;
+    float* wg = w + g * D;
+    float o = 0.f, page = 0.f, radius = 0.f, mag = 0.f;
+#pragma omp simd reduction(+ : o, page, radius, mag)
+    for (int64_t d = 0; d < D; ++d) {
+      const float l = lo[d], s = sc[d], r = rad[d], q = qg[d];
+      wg[d] = q * s;
+      o += q * (l + 0.5f * s);
+      page += std::max(q * (l + 0.5f * s), q * (l + (levels - 0.5f) * s));
+      radius += std::fabs(q) * r;
+      mag += std::fabs(q) * (std::fabs(l) + levels * std::fabs(s) + r);
+    }
+    const float slack = mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+    off[g] = o + radius + slack;
+    pb[g] = page + radius + slack;
+  }
+}
+
+// Page codebook rows (lo, scale, radius) of one page and KV head as fp32 [3, D].
+template <typename M>
+inline void load_codebook(const M* lo, const M* sc, const M* rad, int64_t D, float* dst) {
+  load_f32(lo, D, dst);
+  load_f32(sc, D, dst + D);
+  load_f32(rad, D, dst + 2 * D);
+}
+
+// Integer form of one head's token weights: w_d ≈ step·wq_d with wq_d int8, so that
+// Σ_d w_d·c_d <= step·Σ_d wq_d·c_d + err for every code vector c in [0, 2^bits − 1]^D.
+// The integer dot product is exact (|Σ| < 2^24), the fp32 product step·acc is covered by err's
+// relative term, and a NaN/Inf weight makes err NaN (the token is then kept).
+inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* wq, float* step) {
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(w[d]));
+  if (!std::isfinite(top)) {
+    std::fill(wq, wq + D, 0);
+    *step = 0.f;
+    return NAN;
+  }
+  const float s = top > 0.f ? top / 127.f : 1.f;
+  const float inv = 1.f / s;
+  const float levels = static_cast<float>((1 << bits) - 1);
+  float err = 0.f, mag = 0.f;
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  // 16 channels at a time (the scalar loop below does not vectorise: nearbyint and the int8 cast)
+  const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f);
+  __m512 verr = _mm512_setzero_ps(), vmag = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    const __m512 x = _mm512_loadu_ps(w + d);
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(x, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), _mm512_min_ps(lim, r));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+    const __m512 sr = _mm512_mul_ps(vs, r);
+    verr = _mm512_add_ps(verr, _mm512_abs_ps(_mm512_sub_ps(x, sr)));
+    vmag = _mm512_add_ps(vmag, _mm512_abs_ps(sr));
+  }
+  err = _mm512_reduce_add_ps(verr);
+  mag = _mm512_reduce_add_ps(vmag);
+#endif
+  for (; d < D; ++d) {
+    const float r = std::max(-127.f, std::min(127.f, std::nearbyint(w[d] * inv)));
+    wq[d] = static_cast<int8_t>(r);
+    err += std::fabs(w[d] - s * r);
+    mag += std::fabs(s * r);
+  }
+  *step = s;
+  // (1 + 2^-16) and the 2^-20 relative term cover fp32 rounding of err (summed in any order),
+  // of s·wq and of step·acc.
+  return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
+}
+
+#if defined(__AVX512F__)
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHaveVnni = true;
+
+// Token dot products with AVX-512 VNNI: 64 code bytes × 64 int8 weights per instruction.
+// 4-bit codes are split into low and high nibbles without re-interleaving; ``nibble_order``
+// orders the weights to match (per 64 channels: the even channels, then the odd ones).
+inline void dot_token_vnni(const uint8_t* packed, int64_t bits, int64_t D, const int8_t* w,
+                           int64_t G, int32_t* out) {
+  __m512i acc[8];
+  for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    __m512i c;
+    if (bits == 8) {
+      c = _mm512_loadu_si512(packed + blk * 64);
+    } else {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + blk * 32));
+      const __m256i lo = _mm256_and_si256(x, nib);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+      c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    for (int64_t g = 0; g < G; ++g)
+      acc[g] = _mm512_dpbusd_epi32(acc[g], c, _mm512_loadu_si512(w + g * D + blk * 64));
+  }
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_reduce_add_epi32(acc[g]);
+}
+// One 64-channel block of a token's codes as 64 bytes (4-bit: low nibbles, then high nibbles).
+inline __m512i load_code_block(const uint8_t* packed, int64_t bits, int64_t blk) {
+  if (bits == 8) return _mm512_loadu_si512(packed + blk * 64);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + blk * 32));
+  const __m256i lo = _mm256_and_si256(x, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// In-register transpose of 16 vectors of 16 dwords: lane t of col[j] = dword j of v[t] (64 shuffles).
+inline void transpose16_epi32(const __m512i* v, __m512i* col) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: [v2i[4L], v2i+1[4L], v2i[4L+1], v2i+1[4L+1]] and the +2, +3 pair
+    a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + c], lane L: dword 4L + c of rows 4i .. 4i+3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // col[4L + c] gathers lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    col[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    col[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    col[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    col[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// Integer dots of 16 consecutive tokens (rows ``stride`` bytes apart from ``first``) with the
+// split weights of G heads: lane t of out[g] = Σ_d w_g[d]·c_t[d]. Each 64-channel block of the 16
+// tokens is transposed once (lane t of col[j] = channels 4j .. 4j+3 of token t), so every head
+// needs 16 VNNI steps against broadcast weight quads and no horizontal sums.
+inline void dot_block16_vnni(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const int8_t* w,
+                             int64_t G, __m512i* out) {
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_setzero_si512();
+  __m512i v[16], col[16];
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    for (int t = 0; t < 16; ++t) v[t] = load_code_block(first + t * stride, bits, blk);
+    transpose16_epi32(v, col);
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* wb = w + g * D + blk * 64;
+      for (int j = 0; j < 16; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, wb + 4 * j, sizeof(quad));
+        out[g] = _mm512_dpbusd_epi32(out[g], col[j], _mm512_set1_epi32(quad));
+      }
+    }
+  }
+}
+#else
+constexpr bool kHaveVnni = false;
+inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*) {}
+#endif
+
+// Reorder one head's weights [D] to the channel order in which 4-bit codes are unpacked without
+// re-interleaving: per ``block`` channels, the even channels (low nibbles), then the odd ones (high
+// nibbles). Other widths keep channel order. dot_token_vnni / dot_block16_vnni use block 64 (int8
+// weights), code_floats16 uses block 32 (fp32 weights).
+template <typename T>
+inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* out) {
+  if (bits != 4) {
+    std::copy(w, w + D, out);
+    return;
+  }
+  const int64_t half = block / 2;
+  for (int64_t blk = 0; blk < D / block; ++blk)
+    for (int64_t j = 0; j < half; ++j) {
+      out[blk * block + j] = w[blk * block + 2 * j];
+      out[blk * block + half + j] = w[blk * block + 2 * j + 1];
+    }
+}
+
+inline int32_t dot_u8s8(const uint8_t* c, const int8_t* w, int64_t D) {
+  int32_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(c[d]) * static_cast<int32_t>(w[d]);
+  return acc;
+}
+
+// Unpack the codes of P consecutive slots [P, H_kv, bytes] (KV head k) into bytes [P, D].
+inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t bytes, int64_t bits,
+                        int64_t P, int64_t D, uint8_t* dst) {
+  for (int64_t p = 0; p < P; ++p) {
+    const uint8_t* in = src + (p * h_kv + k) * bytes;
+    uint8_t* out = dst + p * D;
+    if (bits == 8) {
+      std::copy(in, in + D, out);
+    } else if (bits == 4) {
+      for (int64_t j = 0; j < D / 2; ++j) {
+        out[2 * j] = in[j] & 0xF;
+        out[2 * j + 1] = in[j] >> 4;
+      }
+    } else {
+      for (int64_t j = 0; j < D / 4; ++j) {
+        const uint8_t b = in[j];
+        out[4 * j] = b & 3;
+        out[4 * j + 1] = (b >> 2) & 3;
+        out[4 * j + 2] = (b >> 4) & 3;
+        out[4 * j + 3] = b >> 6;
+      }
+    }
+  }
+}
+
+
+#if defined(__AVX512F__)
+
+// Lane t of the result is the sum of the 16 lanes of v[t] (fp32 version of lane_sums16).
+inline __m512 lane_sums16_ps(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// e^x for 8 doubles with relative error below 1e-15: k = round(x/ln2), r = x − k·ln2 (Cody-Waite
+// with FMA, |r| <= 0.35), Taylor polynomial to r^13 (truncation < 1e-17), times 2^k. x is clamped
+// to [−700, 700]; NaN gives e^700 (an upper bound, as rel_mass does).
+inline __m512d exp_pd8(__m512d x) {
+  x = _mm512_max_pd(_mm512_min_pd(x, _mm512_set1_pd(700.0)), _mm512_set1_pd(-700.0));  // NaN -> 700
+  const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.90821492927058770002e-10), r);
+  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
+                                   1.0 / 479001600, 1.0 / 6227020800};
+  __m512d p = _mm512_set1_pd(inv_fact[13]);
+  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[i]));
+  return _mm512_scalef_pd(p, k);
+}
+
+// e^x for 16 floats, for softmax weights (no bound depends on it): a few ulp; x below −104 gives
+// 0, NaN stays NaN. Cephes' two-part ln2, Taylor polynomial to r^7 (truncation < 2^-24).
+inline __m512 exp_ps16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));  // NaN propagates
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  constexpr float inv_fact[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+  __m512 p = _mm512_set1_ps(inv_fact[7]);
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(inv_fact[i]));
+  return _mm512_scalef_ps(p, k);
+}
+
+// Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.
+inline __m512 code_floats16(const uint8_t* packed, int64_t bits, int64_t j) {
+  if (bits == 8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * j))));
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * (j / 2)));
+  const __m128i nib = j % 2 ? _mm_srli_epi16(x, 4) : x;
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F))));
+}
+
+// fp32 token bounds off[g] + Σ_d w_g[d]·c_t[d] of 16 consecutive tokens (rows ``stride`` bytes apart
+// from ``first``); dst[t·dst_stride + g]. codes16 [16, D] is scratch. The summation order differs
+// from the per-token loop; the slack in off covers fp32 rounding of the sum in any order.
+inline void bounds_block16(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const float* wr,
+                           const float* off, int64_t G, float* codes16, float* dst, int64_t dst_stride) {
+  for (int t = 0; t < 16; ++t)
+    for (int64_t j = 0; j < D / 16; ++j) _mm512_storeu_ps(codes16 + t * D + 16 * j, code_floats16(first + t * stride, bits, j));
+  __m512 v[16];
+  alignas(64) float sums[16];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D / 16; ++j)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(codes16 + t * D + 16 * j), _mm512_loadu_ps(wr + g * D + 16 * j), acc);
+      v[t] = acc;
+    }
+    _mm512_store_ps(sums, lane_sums16_ps(v));
+    for (int t = 0; t < 16; ++t) dst[t * dst_stride + g] = off[g] + sums[t];
+  }
+}
+
+#endif
+
+inline void prefetch_bytes(const void* start, int64_t n) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// [start, end) of each request's rows in a request-sorted row list req [n] -> bounds [B + 1].
+inline std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_t B) {
+  std::vector<int64_t> bounds(B + 1, n);
+  int64_t r = 0;
+  for (int64_t i = 0; i <= n; ++i) {
+    const int64_t cur = i < n ? req[i] : B;
+    while (r <= cur && r <= B) bounds[r++] = i;
+  }
+  return bounds;
+}
+
+}  // namespace louver_cpu

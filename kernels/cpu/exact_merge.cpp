@@ -1,0 +1,56 @@
+// The exact part, the merge and the chunk totals as ops of their own (the certified path calls
+// them around its bound passes; fused_step runs the same phases in one parallel region).
+
+#include "exact_merge.h"
+#include "ops.h"
+
+using namespace louver_cpu;
+
+// Exact scores of the dense part and of the sample, the reference score and the masses relative
+// to it (design §4; louver_sgl/decode/step.py:exact_part is the specification).
+// q [B, H_q, D] f32; k_cache [slots, H_kv, D]; dense_slots, dense_req [ND], sample_slots, sample_req
+// [NS] i64, request-sorted -> s_dense [ND, H_q] f32, sample [B, M, H_q] f32 (each request's sample
+// scores in order, padded with -inf; M >= its largest sample), ref [B, H_q] f32 (-inf: no exact
+// score), z [B, H_q, 2] f64 (Σ e^{σ(s − ref)} over the dense part, over the sample). With a budget
+// fraction f >= 0 it also writes the budget policy's T [B, H_q] f32 (threshold.budget_threshold is
+// the specification); with f < 0, t is not touched.
+void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slots, torch::Tensor dense_req,
+                torch::Tensor sample_slots, torch::Tensor sample_req, double sigma, double budget,
+                torch::Tensor s_dense, torch::Tensor sample, torch::Tensor ref, torch::Tensor z, torch::Tensor t) {
+  const ExactArgs e = exact_args(q, k_cache, dense_slots, dense_req, sample_slots, sample_req, sigma, budget, s_dense,
+                                 sample, ref, z, t);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "exact_part", [&] {
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, e.nd + e.ns, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> key(e.D);
+      exact_rows(e, kc, begin, end, key.data());
+    });
+  });
+  at::parallel_for(0, e.B * e.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    exact_heads(e, begin, end, scratch);
+  });
+}
+
+// Softmax merge of the dense part with the attend kernel's chunk states (fused.merge_reference is
+// the specification). s_dense [ND, H_q] f32; dense_slots, dense_req [ND] i64; v_cache [slots, H_kv,
+// Dv]; m, l [NC, H_q] f32 (m in σ·score units; −inf: empty chunk); o [NC, H_q, Dv] f32; chunk_req
+// [NC] i64 (both row lists request-sorted) -> out [B, H_q, Dv] f32.
+void merge_chunks(torch::Tensor s_dense, torch::Tensor dense_slots, torch::Tensor dense_req, torch::Tensor v_cache,
+                  torch::Tensor m, torch::Tensor l, torch::Tensor o, torch::Tensor chunk_req, double sigma,
+                  torch::Tensor out) {
+  const MergeArgs g = merge_args(s_dense, dense_slots, dense_req, v_cache, m, l, o, chunk_req, sigma, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v_cache.scalar_type(), "merge_chunks", [&] {
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, g.B * g.h_kv, 1, [&](int64_t begin, int64_t end) { merge_tasks(g, vc, begin, end); });
+  });
+}
+
+// Per-request totals of the attend kernel's chunk outputs (fused.chunk_totals_reference is the
+// specification). counts [NC, H_kv, 2G + 3] i64, mass [NC, H_kv, G, 3] f64, chunk_req [NC] i64 ->
+// per_head [B, H_q, 2] i64 (attended, pages skipped), per_req [B, 3] i64 (union candidates, values
+// read, pages read), masses [B, H_q, 3] f64; all outputs are overwritten.
+void chunk_totals(torch::Tensor counts, torch::Tensor mass, torch::Tensor chunk_req, torch::Tensor per_head,
+                  torch::Tensor per_req, torch::Tensor masses) {
+  chunk_totals_into(counts, mass, chunk_req, per_head, per_req, masses);
+}

@@ -1,0 +1,191 @@
+// The steps around the attend pass, as per-index-range phases shared by their own ops
+// (exact_part, merge_chunks) and by fused_step: exact scores of the dense part and the sample,
+// per-head reference score, masses and sample threshold; the softmax merge of the dense part with
+// the chunk states; per-request totals of the chunk counters.
+#pragma once
+
+#include "common.h"
+
+namespace louver_cpu {
+
+// The budget rule on one head's n sample scores (``stride`` floats apart): the ⌊f·n⌋-th largest
+// (at least the largest), -inf without samples. NaN ranks above every number, as in torch.topk.
+inline float budget_pick(const float* scores, int64_t stride, int64_t n, double fraction, std::vector<float>& scratch) {
+  if (n == 0) return -INFINITY;
+  const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::floor(double(n) * fraction))));
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  int64_t m = 0, nans = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = scores[j * stride];
+    if (std::isnan(x)) {
+      ++nans;
+    } else {
+      scratch[m++] = x;
+    }
+  }
+  if (k <= nans) return NAN;
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1 - nans), scratch.begin() + m, std::greater<float>());
+  return scratch[k - 1 - nans];
+}
+
+// threshold.gate_threshold: T − 1e-4·(|T| + 1) with torch's fp32 operations (volatile keeps the
+// compiler from fusing them into one FMA, whose rounding would differ).
+inline float value_gate_threshold(float t) {
+  volatile float margin = 1e-4f * (std::fabs(t) + 1.f);
+  return t - margin;
+}
+
+struct ExactArgs {
+  const float* q;  // [B, H, D]
+  const int64_t *ds, *dr, *ss, *sr;
+  int64_t B, H, D, h_kv, G, nd, ns, M;
+  double sigma, budget;
+  float *sd, *sp, *rp, *tp;  // s_dense [ND, H], sample [B, M, H], ref [B, H], t [B, H] (null: no budget)
+  double* zp;                // z [B, H, 2]
+  std::vector<int64_t> d_bounds, s_bounds;
+};
+
+// Arguments of the exact phases; fills the sample buffer with −inf (its padding).
+inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& dense_slots,
+                            const torch::Tensor& dense_req, const torch::Tensor& sample_slots,
+                            const torch::Tensor& sample_req, double sigma, double budget, torch::Tensor& s_dense,
+                            torch::Tensor& sample, torch::Tensor& ref, torch::Tensor& z, torch::Tensor& t) {
+  ExactArgs e{q.data_ptr<float>(), dense_slots.data_ptr<int64_t>(), dense_req.data_ptr<int64_t>(),
+              sample_slots.data_ptr<int64_t>(), sample_req.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2),
+              k_cache.size(1), q.size(1) / k_cache.size(1), dense_slots.size(0), sample_slots.size(0), sample.size(1),
+              sigma, budget, s_dense.data_ptr<float>(), sample.data_ptr<float>(), ref.data_ptr<float>(),
+              budget >= 0.0 ? t.data_ptr<float>() : nullptr, z.data_ptr<double>(), {}, {}};
+  e.d_bounds = request_bounds(e.dr, e.nd, e.B);
+  e.s_bounds = request_bounds(e.sr, e.ns, e.B);
+  for (int64_t b = 0; b < e.B; ++b)
+    TORCH_CHECK(e.s_bounds[b + 1] - e.s_bounds[b] <= e.M, "sample buffer narrower than a request's sample");
+  std::fill(e.sp, e.sp + e.B * e.M * e.H, -INFINITY);
+  return e;
+}
+
+// Exact scores of rows [begin, end): rows 0..ND-1 are the dense part, ND..ND+NS-1 the sample
+// (written at its padded position). key: scratch [D].
+template <typename KV>
+inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t end, float* key) {
+  for (int64_t row = begin; row < end; ++row) {
+    const bool dense = row < e.nd;
+    const int64_t i = dense ? row : row - e.nd, slot = dense ? e.ds[i] : e.ss[i], b = dense ? e.dr[i] : e.sr[i];
+    float* dst = dense ? e.sd + i * e.H : e.sp + (b * e.M + (i - e.s_bounds[b])) * e.H;
+    for (int64_t k = 0; k < e.h_kv; ++k) {
+      load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, key);
+      for (int64_t g = 0; g < e.G; ++g)
+        dst[k * e.G + g] = dot(key, e.q + (b * e.H + k * e.G + g) * e.D, static_cast<int>(e.D));
+    }
+  }
+}
+
+// Per (request, head) bh in [begin, end): ref (max exact score; NaN propagates, as in torch's
+// amax), the masses relative to it, and with a budget the sample threshold.
+inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vector<float>& scratch) {
+  const int64_t H = e.H, M = e.M;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / H, h = bh % H, n_sample = e.s_bounds[b + 1] - e.s_bounds[b];
+    float top = -INFINITY;
+    auto take = [&top](float x) { top = (x > top || std::isnan(x)) && !std::isnan(top) ? x : top; };
+    for (int64_t i = e.d_bounds[b]; i < e.d_bounds[b + 1]; ++i) take(e.sd[i * H + h]);
+    for (int64_t j = 0; j < n_sample; ++j) take(e.sp[(b * M + j) * H + h]);
+    e.rp[bh] = top;
+    double zd = 0.0, zs = 0.0;
+    const double r = top;
+    for (int64_t i = e.d_bounds[b]; i < e.d_bounds[b + 1]; ++i) zd += std::exp(e.sigma * (double(e.sd[i * H + h]) - r));
+    for (int64_t j = 0; j < n_sample; ++j) zs += std::exp(e.sigma * (double(e.sp[(b * M + j) * H + h]) - r));
+    e.zp[bh * 2] = zd;
+    e.zp[bh * 2 + 1] = zs;
+    if (e.tp) e.tp[bh] = budget_pick(e.sp + b * M * H + h, H, n_sample, e.budget, scratch);
+  }
+}
+
+struct MergeArgs {
+  const float *sd, *mp, *lp, *op;  // s_dense [ND, H]; m, l [NC, H]; o [NC, H, DV]
+  const int64_t *ds, *dr;
+  int64_t B, H, DV, h_kv, G;
+  float sig;
+  float* outp;  // [B, H, DV]
+  std::vector<int64_t> d_bounds, c_bounds;
+};
+
+inline MergeArgs merge_args(const torch::Tensor& s_dense, const torch::Tensor& dense_slots,
+                            const torch::Tensor& dense_req, const torch::Tensor& v_cache, const torch::Tensor& m,
+                            const torch::Tensor& l, const torch::Tensor& o, const torch::Tensor& chunk_req,
+                            double sigma, torch::Tensor& out) {
+  MergeArgs g{s_dense.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(), o.data_ptr<float>(),
+              dense_slots.data_ptr<int64_t>(), dense_req.data_ptr<int64_t>(), out.size(0), out.size(1), out.size(2),
+              v_cache.size(1), out.size(1) / v_cache.size(1), static_cast<float>(sigma), out.data_ptr<float>(), {}, {}};
+  g.d_bounds = request_bounds(g.dr, dense_slots.size(0), g.B);
+  g.c_bounds = request_bounds(chunk_req.data_ptr<int64_t>(), chunk_req.size(0), g.B);
+  return g;
+}
+
+// Merge tasks (request, KV head) in [begin, end): softmax over the dense part's exact scores and
+// the chunks' partial states, written normalised to out.
+template <typename KV>
+inline void merge_tasks(const MergeArgs& g, const KV* vc, int64_t begin, int64_t end) {
+  const int64_t H = g.H, DV = g.DV, G = g.G, h_kv = g.h_kv;
+  std::vector<float> val(DV), num(G * DV), top(G), den(G);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / h_kv, k = task % h_kv, h0 = b * H + k * G;
+    for (int64_t j = 0; j < G; ++j) {
+      float t = -INFINITY;
+      for (int64_t i = g.d_bounds[b]; i < g.d_bounds[b + 1]; ++i) t = std::max(t, g.sig * g.sd[i * H + k * G + j]);
+      for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c) t = std::max(t, g.mp[c * H + k * G + j]);
+      top[j] = std::isfinite(t) ? t : 0.f;
+      den[j] = 0.f;
+    }
+    std::fill(num.begin(), num.end(), 0.f);
+    for (int64_t i = g.d_bounds[b]; i < g.d_bounds[b + 1]; ++i) {
+      load_f32(vc + (g.ds[i] * h_kv + k) * DV, DV, val.data());
+      for (int64_t j = 0; j < G; ++j) {
+        const float w = std::exp(g.sig * g.sd[i * H + k * G + j] - top[j]);
+        den[j] += w;
+        axpy(num.data() + j * DV, w, val.data(), DV);
+      }
+    }
+    for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t row = c * H + k * G + j;
+        const float scale = std::exp(g.mp[row] - top[j]);  // 0 for an empty chunk (m = −inf)
+        if (scale == 0.f) continue;
+        den[j] += g.lp[row] * scale;
+        axpy(num.data() + j * DV, scale, g.op + row * DV, DV);
+      }
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t d = 0; d < DV; ++d) g.outp[(h0 + j) * DV + d] = num[j * DV + d] / den[j];
+  }
+}
+
+// Per-request totals of the chunk counters (see the chunk_totals op); outputs overwritten.
+inline void chunk_totals_into(const torch::Tensor& counts, const torch::Tensor& mass, const torch::Tensor& chunk_req,
+                              torch::Tensor& per_head, torch::Tensor& per_req, torch::Tensor& masses) {
+  const int64_t nc = counts.size(0), h_kv = counts.size(1), G = mass.size(2), H = h_kv * G;
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const double* mp = mass.data_ptr<double>();
+  const int64_t* req = chunk_req.data_ptr<int64_t>();
+  int64_t* ph = per_head.data_ptr<int64_t>();
+  int64_t* pr = per_req.data_ptr<int64_t>();
+  double* ms = masses.data_ptr<double>();
+  std::fill(ph, ph + per_head.numel(), 0);
+  std::fill(pr, pr + per_req.numel(), 0);
+  std::fill(ms, ms + masses.numel(), 0.0);
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t b = req[c];
+    for (int64_t k = 0; k < h_kv; ++k) {
+      const int64_t* row = cp + (c * h_kv + k) * (2 * G + 3);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = b * H + k * G + g;
+        ph[h * 2] += row[g];
+        ph[h * 2 + 1] += row[G + g];
+        for (int j = 0; j < 3; ++j) ms[h * 3 + j] += mp[((c * h_kv + k) * G + g) * 3 + j];
+      }
+      pr[b * 3] += row[2 * G];
+      pr[b * 3 + 1] += row[2 * G + 1];
+    }
+    pr[b * 3 + 2] += cp[c * h_kv * (2 * G + 3) + 2 * G + 2];  // pages read: KV head 0's task
+  }
+}
+
+}  // namespace louver_cpu
