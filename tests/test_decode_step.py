@@ -186,3 +186,18 @@ def test_caller_owned_output_buffer():
     buf = torch.empty(len(lens), q.shape[1], 64)
     out, _ = louver_decode(q, k, v, table, lens, store, 0.125, out=buf)
     assert out.data_ptr() == buf.data_ptr()
+
+
+def test_shared_plan_gives_the_same_step_and_a_wrong_plan_is_rejected():
+    """A plan built once (as the backend does per forward) gives the same output; a plan for
+    another page size or batch is refused."""
+    from louver_sgl.decode.plan import plan_decode
+
+    cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32)
+    q, k, v, table, lens, store = _setup(cfg)
+    plan = plan_decode(table, lens, cfg)
+    want, _ = louver_decode(q, k, v, table, lens, store, 0.125)
+    got, _ = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="plan is for"):
+        louver_decode(q[:2], k, v, table[:2], lens[:2], store, 0.125, plan=plan)

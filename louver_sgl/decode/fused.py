@@ -133,7 +133,7 @@ class _Outputs:
 
     def merge_inputs(self):
         n, heads = self.m.shape[0], self.ref.shape[1]
-        return self.m.view(n, heads), self.l.view(n, heads), self.o.view(n, heads, -1)
+        return self.m.view(n, heads), self.l.view(n, heads), self.o.view(n, heads, self.o.shape[-1])
 
     def exact_part(self, plan: DecodePlan) -> ExactPart:
         z = self.z

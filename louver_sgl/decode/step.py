@@ -57,6 +57,7 @@ def louver_decode(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     chunk_pages: int = 64,
+    plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, StepStats]:
     """One decode step for a batch of requests.
 
@@ -70,12 +71,18 @@ def louver_decode(
         backend: "torch" (vectorised torch), "cpp" (compiled CPU kernel, grid family), or "auto"
             (the compiled kernel where it applies and loads, else torch).
         chunk_pages: pages per split of the compiled kernel (a profile knob).
+        plan: the host-side plan of ``page_table`` / ``seq_lens`` (``plan_decode``) when the caller
+            shares one across layers; built here if None.
 
     Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
     """
     config = config or store.config
     _check_inputs(q, k_cache, v_cache, store, config)
-    plan = plan_decode(page_table, seq_lens, config)
+    if plan is None:
+        plan = plan_decode(page_table, seq_lens, config)
+    elif plan.page_size != config.page_size or plan.batch_size != q.shape[0]:
+        raise ValueError(f"plan is for page size {plan.page_size} and {plan.batch_size} requests, the step for "
+                         f"page size {config.page_size} and {q.shape[0]}")
     ops = _cpu_ops(backend, store, q)
     if ops is not None:
         from .fused import run_decode_fused

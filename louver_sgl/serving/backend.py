@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..index.store import PageIndexStore
 from ..decode import louver_decode
+from ..decode.plan import plan_decode
 from ..profiles import Shapes
 from ..profiles.launch import cpu_threads
 from .options import resolve_options
@@ -53,6 +54,7 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         self.page_size = page_size
         self.stores: dict[int, PageIndexStore] = {}
         self.built: dict[int, torch.Tensor] = {}
+        self._decode_plan = None  # (forward_batch, page table, seq_lens, DecodePlan) of the current forward
         server_args = getattr(model_runner, "server_args", None)
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)))
@@ -97,7 +99,16 @@ class LouverAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         super().init_forward_metadata(forward_batch)
+        self._decode_plan = None
+        if self.cuda_path is None and forward_batch.forward_mode.is_decode():
+            self._decode_plan = self._plan(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
+
+    def _plan(self, forward_batch: ForwardBatch):
+        """(forward_batch, page table, seq_lens, DecodePlan) of a CPU decode forward: planned once
+        per forward and shared by every layer."""
+        page_table, seq_lens = self._page_table(forward_batch)
+        return forward_batch, page_table, seq_lens, plan_decode(page_table, seq_lens, self.config)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         """Page table and lengths of a decode batch: static-shape device ops, recorded in the
@@ -176,14 +187,17 @@ class LouverAttnBackend(TorchNativeAttnBackend):
             self._build(layer.layer_id, forward_batch.out_cache_loc[full].long() // self.page_size)
             if layer.layer_id == self._first_layer():
                 self.telemetry.pages_built += int(full.sum())
-        page_table, seq_lens = self._page_table(forward_batch)
+        cached = self._decode_plan
+        if cached is None or cached[0] is not forward_batch or not torch.equal(cached[2], forward_batch.seq_lens.long()):
+            self._decode_plan = self._plan(forward_batch)  # a caller that skipped init_forward_metadata
+        _, page_table, seq_lens, plan = self._decode_plan
         self._build_unbuilt(layer.layer_id, page_table, seq_lens)
         with cpu_threads(self.serving.num_threads if q.device.type == "cpu" else 0):
             _, stats = louver_decode(
                 q.view(-1, h_q, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id), page_table, seq_lens,
                 self._store(layer.layer_id), layer.scaling, self.config, out=out.view(-1, h_q, dim),
-                chunk_pages=self.serving.chunk_pages,
+                chunk_pages=self.serving.chunk_pages, plan=plan,
             )
         self.telemetry.record_step(stats)
         if layer.layer_id == self._first_layer():
