@@ -53,7 +53,9 @@ def one_batch(model: Path, backend: str, input_len: int, env: dict[str, str]) ->
     cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--batch-size", "1", "--input-len", str(input_len),
            "--output-len", "16", "--max-total-tokens", "20000"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
+    with tempfile.TemporaryDirectory() as tmp:  # one_batch appends a result file of its own; not ours
+        cmd += ["--result-filename", str(Path(tmp) / "one_batch.jsonl")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
     text = proc.stdout + proc.stderr
     prefill = re.findall(r"Prefill\. latency: ([0-9.]+) s, throughput: +([0-9.]+) token/s", text)
     decode = re.findall(r"Decode\. +median latency: ([0-9.]+) s, median throughput: +([0-9.]+) token/s", text)
