@@ -92,11 +92,12 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
         assert bool((stats.candidates == ref_count).all())
 
 
-@pytest.mark.parametrize("page_size,dim,groups", [(8, 64, 3), (32, 128, 2), (64, 64, 8)])
+@pytest.mark.parametrize("page_size,dim,groups", [(8, 64, 3), (32, 128, 2), (64, 64, 8), (16, 96, 3), (16, 40, 2)])
 @pytest.mark.parametrize("policy", ["budget", "fixed"])
 def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, policy):
-    """The compiled kernel's 16-token blocks, its per-token path (pages of 8), D = 128 and 8-head
-    groups give the reference's threshold, candidate counts and output."""
+    """The compiled kernel's 16-token blocks, its per-token path (pages of 8; D = 96 has no VNNI
+    scan), D = 128, 8-head groups and the scalar candidate scoring (D = 40, not a multiple of 16)
+    give the reference's threshold, candidate counts and output."""
     cfg = LouverConfig(page_size=page_size, policy=policy, budget=0.1, fixed_threshold=4.0, sample_size=32,
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, lens=[300, 700, 129], dim=dim, groups=groups, seed=3)
