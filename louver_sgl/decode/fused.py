@@ -65,9 +65,9 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     index_dropped = None
     if config.policy == "certified":
         ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
-        t, index_dropped = _threshold(q32, plan, store, ex, sigma, config, ops)
-        gate = torch.full_like(t, float("-inf"))  # certified steps attend every candidate
-        ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, gate, ex.ref,
+        t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops)
+        part.gate.fill_(float("-inf"))  # certified steps attend every candidate
+        ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, part.gate, ex.ref,
                                float(sigma), store.config.grid_bits, store.page_size, *part.attend)
         ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
                          float(sigma), part.result)
@@ -172,18 +172,14 @@ def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_siz
     return ex, (part.t if budget >= 0 else None)
 
 
-def _threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
-    """T ``[B, H_q]`` and, for certified steps, the exact index-dropped mass at T (else None).
+def _certified_threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
+    """Certified T ``[B, H_q]`` and the exact index-dropped mass at T.
 
-    Certified T comes from the compiled fp32 page and token bounds; the attend kernel's int8
-    token bounds are looser, so it keeps a superset and the certificate still holds.
+    T comes from the compiled fp32 page and token bounds; the attend kernel's int8 token bounds
+    are looser, so it keeps a superset and the certificate still holds. (The other policies get
+    their T inside ``fused_step``.)
     """
-    batch, heads = ex.ref.shape
-    t = th.static_threshold(config, batch, heads)
-    if t is not None:
-        return t, None
-    if config.policy == "budget":
-        return th.budget_threshold(ex.sample[0], ex.sample[1], config.budget), None
+    heads = ex.ref.shape[1]
     n, size = len(plan.page_ids), store.page_size
     tok = torch.empty(n, size, heads)
     pb = torch.empty(n, heads)

@@ -85,15 +85,16 @@ def plan_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, config: Louver
         num_indexed.append(len(pages) * size)
     dev = page_table.device
     cat = {k: torch.cat(v).to(dev) if v else torch.zeros(0, dtype=torch.long, device=dev) for k, v in parts.items()}
+    pages_per_request = tuple(n // size for n in num_indexed)
     return DecodePlan(
         batch_size=len(lens), page_size=size,
         dense_slots=cat["ds"], dense_req=cat["dr"], page_ids=cat["pi"], page_req=cat["pr"],
         sample_slots=cat["ss"], sample_req=cat["sr"],
         num_indexed=torch.tensor(num_indexed, dtype=torch.long, device=dev),
-        num_pages=torch.tensor([n // size for n in num_indexed], dtype=torch.long, device=dev),
+        num_pages=torch.tensor(pages_per_request, dtype=torch.long, device=dev),
         samples_per_request=torch.tensor(num_samples, dtype=torch.long, device=dev),
         seq_lens=torch.tensor(lens, dtype=torch.long, device=dev),
-        pages_per_request=tuple(n // size for n in num_indexed),
+        pages_per_request=pages_per_request,
     )
 
 
