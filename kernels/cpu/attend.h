@@ -75,6 +75,17 @@ struct ChunkRunner {
 
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
+  // Start chunk ``chunk`` with the buffers of the previous one (a runner lives for a whole worker:
+  // building its two dozen scratch vectors per chunk cost as much as a phase of the step).
+  void reset(int64_t chunk) {
+    b = a.chunk_req[chunk];
+    head0 = b * a.h_q + k * a.groups;
+    open = false;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(st.begin(), st.end(), HeadState{});
+    n_cand = n_union = n_values = n_pages_read = 0;
+  }
+
   // Page bounds of page row i; if some head of the group keeps the page, its token weights are
   // quantised and the page is open for scanning. Returns whether it is open.
   bool open_page(int64_t i) {
@@ -275,12 +286,7 @@ struct ChunkRunner {
       const float* sg = score.data() + g * P16;
       const uint16_t* ab = attend_bits.data() + g * (P16 / 16);
       float top = -INFINITY;
-      int64_t count = 0;
-      for (int64_t c = 0; c < n_cand; ++c)
-        if (ab[c / 16] >> (c % 16) & 1) {
-          ++count;
-          top = std::max(top, a.sigma * sg[c]);  // NaN scores do not move the maximum
-        }
+      const int64_t count = attended_top(sg, ab, blocks, &top);
       float* wg = weight.data() + g * P16;
       if (count == 0) {
         std::fill(wg, wg + n_cand, 0.f);
@@ -305,6 +311,32 @@ struct ChunkRunner {
         if (e != 0.f) axpy(acc.data() + g * DV, e, buf.data(), DV);
       }
     }
+  }
+
+  // Number of one head's attended candidates and the largest σ·s among them in *top (NaN scores
+  // do not move the maximum).
+  int64_t attended_top(const float* sg, const uint16_t* ab, int64_t blocks, float* top) const {
+    int64_t count = 0;
+#if defined(__AVX512F__)
+    if (vector_scores) {
+      __m512 m = _mm512_set1_ps(-INFINITY);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_loadu_ps(sg + 16 * blk));
+        const __mmask16 on = ab[blk] & _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+        m = _mm512_mask_max_ps(m, on, m, x);
+        count += __builtin_popcount(ab[blk]);
+      }
+      *top = _mm512_reduce_max_ps(m);
+      return count;
+    }
+#endif
+    for (int64_t c = 0; c < n_cand; ++c)
+      if (ab[c / 16] >> (c % 16) & 1) {
+        ++count;
+        *top = std::max(*top, a.sigma * sg[c]);
+      }
+    (void)blocks;
+    return count;
   }
 
   // Softmax weights e^{σ·s − m} of one head's candidates (0 where not attended) into wg; adds
@@ -402,10 +434,14 @@ template <typename KV>
 void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo, const KV* sc, const KV* rad,
                    std::atomic<int64_t>& next) {
   const int64_t G = a.groups;
+  std::vector<ChunkRunner<KV>> runners;
   for (int64_t c = next++; c < a.n_chunks; c = next++) {
-    std::vector<ChunkRunner<KV>> runners;
-    runners.reserve(a.h_kv);
-    for (int64_t k = 0; k < a.h_kv; ++k) runners.emplace_back(a, kc, vc, lo, sc, rad, c, k);
+    if (runners.empty()) {
+      runners.reserve(a.h_kv);
+      for (int64_t k = 0; k < a.h_kv; ++k) runners.emplace_back(a, kc, vc, lo, sc, rad, c, k);
+    } else {
+      for (auto& r : runners) r.reset(c);
+    }
     run_chunk(runners, a, c);
     for (int64_t k = 0; k < a.h_kv; ++k) {
       const int64_t task = c * a.h_kv + k, base = task * G;

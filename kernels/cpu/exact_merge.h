@@ -63,6 +63,8 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
   return e;
 }
 
+constexpr int64_t kExactAhead = 6;  // rows prefetched ahead by exact_rows
+
 // Exact scores of rows [begin, end): rows 0..ND-1 are the dense part, ND..ND+NS-1 the sample
 // (written at its padded position). key: scratch [D].
 template <typename KV>
@@ -71,6 +73,10 @@ inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t 
     const bool dense = row < e.nd;
     const int64_t i = dense ? row : row - e.nd, slot = dense ? e.ds[i] : e.ss[i], b = dense ? e.dr[i] : e.sr[i];
     float* dst = dense ? e.sd + i * e.H : e.sp + (b * e.M + (i - e.s_bounds[b])) * e.H;
+    if (row + kExactAhead < end) {  // the rows are scattered (the sample is random): fetch ahead
+      const int64_t next = row + kExactAhead, s = next < e.nd ? e.ds[next] : e.ss[next - e.nd];
+      prefetch_bytes(kc + s * e.h_kv * e.D, e.h_kv * e.D * static_cast<int64_t>(sizeof(KV)));
+    }
     for (int64_t k = 0; k < e.h_kv; ++k) {
       load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, key);
       for (int64_t g = 0; g < e.G; ++g)

@@ -21,8 +21,11 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> key(e.D), scratch;
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < e.nd + e.ns; ++row) exact_rows(e, kc, row, row + 1, key.data());
+    {  // one contiguous range of rows per thread, so that exact_rows can prefetch within it
+      const int64_t rows = e.nd + e.ns, id = omp_get_thread_num(), n = omp_get_num_threads();
+      exact_rows(e, kc, rows * id / n, rows * (id + 1) / n, key.data());
+    }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < e.B * e.H; ++bh) {
       exact_heads(e, bh, bh + 1, scratch);
