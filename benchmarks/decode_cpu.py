@@ -42,6 +42,8 @@ POLICIES = {
 INDEXES = {
     "grid-8bit": {"family": "grid", "grid_bits": 8},
     "grid-4bit": {"family": "grid", "grid_bits": 4},
+    # the index of the shipped CPU profile (louver_sgl/profiles/cpu_amd_epyc_avx512.json)
+    "grid-4bit-p128": {"family": "grid", "grid_bits": 4, "page_size": 128},
     "clustered-S16-bf4": {"family": "clustered", "n_subspaces": 16, "cluster_size": 4},
 }
 
@@ -175,7 +177,10 @@ def bytes_read(stats, pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig) 
     return float(total)
 
 
-def run_case(pb: PagedBatch, repeats: int, indexes: dict) -> dict:
+def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict) -> dict:
+    """One case: ``batches`` holds the same requests paged with each index's page size (the index
+    pages are the KV pages); the dense side uses the first."""
+    pb = next(iter(batches.values()))
     variants = dense_variants(pb)
     dense = {name: timeit(fn, repeats) for name, fn in variants.items()}
     best = min(dense, key=dense.get)
@@ -185,6 +190,7 @@ def run_case(pb: PagedBatch, repeats: int, indexes: dict) -> dict:
     for index_name, index_kw in indexes.items():
         for pol_name, pol_kw in POLICIES.items():
             cfg = LouverConfig(**index_kw, **pol_kw)
+            pb = batches[cfg.page_size]
             store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
             plan = plan_decode(pb.page_table, pb.seq_lens, cfg)
             start = time.perf_counter()
@@ -219,7 +225,7 @@ def plot(results: dict, path: Path) -> None:
 
     batches = sorted({c["batch"] for c in results["cases"]})
     indexes = list(dict.fromkeys(r["index"] for c in results["cases"] for r in c["louver"]))
-    styles = dict(zip(indexes, ("-o", "--s", ":x")))
+    styles = dict(zip(indexes, ("-o", "--s", "-.^", ":x")))
     colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), sharey=True, squeeze=False)
     for ax, batch in zip(axes[0], batches):
@@ -269,8 +275,9 @@ def main() -> None:
     jobs = [(t, layer, b) for t in args.traces for layer in args.layers for b in args.batches]
     for trace_path, layer, batch in tqdm(jobs, desc="cases"):
         trace = load_trace(trace_path)
-        pb = paged_batch(trace, layer, batch, 64)
-        case = run_case(pb, args.repeats, {k: INDEXES[k] for k in args.indexes})
+        indexes = {k: INDEXES[k] for k in args.indexes}
+        sizes = dict.fromkeys([64] + [LouverConfig(**kw).page_size for kw in indexes.values()])
+        case = run_case({size: paged_batch(trace, layer, batch, size) for size in sizes}, args.repeats, indexes)
         case.update(trace=trace_path, length=int(trace["meta"]["length"]), layer=layer, batch=batch)
         results["cases"].append(case)
         out = Path(args.out)
