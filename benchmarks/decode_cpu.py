@@ -60,6 +60,22 @@ def timeit(fn, repeats: int, warmup: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
+def timeit_alternating(fns: dict, rounds: int, before=None) -> dict:
+    """Median wall time (ms) of each function of ``fns``, called in alternation (forward order on
+    even rounds, reverse on odd ones) so that drift of a noisy machine hits all alike; ``before()``
+    runs untimed before every call (a cache sweep, say)."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int = 3) -> tuple[float, float]:
     """Median wall times (ms) of ``base()`` and ``fn()`` timed in alternation, so that drift of a
     noisy machine hits both alike. Steps slower than ``slow_s`` get ``slow_repeats`` rounds."""
@@ -67,13 +83,8 @@ def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int
     start = time.perf_counter()
     fn()
     rounds = repeats if time.perf_counter() - start < slow_s else slow_repeats
-    times = ([], [])
-    for r in range(rounds):
-        for i, f in ((0, base), (1, fn)) if r % 2 == 0 else ((1, fn), (0, base)):
-            start = time.perf_counter()
-            f()
-            times[i].append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1])
+    ms = timeit_alternating({"base": base, "fn": fn}, rounds)
+    return ms["base"], ms["fn"]
 
 
 def dense_variants(pb: PagedBatch) -> dict:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from louver_sgl.data.paged import load_trace, paged_batch
 from louver_sgl.decode import louver_decode
 from louver_sgl.decode.plan import plan_decode
 
-from .decode_cpu import dense_variants, timeit
+from .decode_cpu import dense_variants, timeit, timeit_alternating
 
 _TOUCH_SRC = r"""
 #include <torch/extension.h>
@@ -88,9 +86,10 @@ def touch_reference(codes, page_ids, page_bytes, k_rows, v_rows, k, v, row_bytes
 
 
 def access_pattern(stats, store: PageIndexStore, plan, seed: int = 0):
-    """(code page ids [NP], K rows [NK], V rows [NV]) int64 with the step's counts: the pages it
-    read, and as many random (slot, KV head) rows of its indexed pages as it read candidate keys
-    and values (each page's rows together, in page-table order, as the step visits them)."""
+    """(code page ids [NP], K rows [NK], V rows [NV]) int64 with the step's counts: as many of the
+    plan's pages as it read codes of (the first ones; page bounds skip none on these traces), and as
+    many random (slot, KV head) rows of its indexed pages as it read candidate keys and values (each
+    page's rows together, in page-table order, as the step visits them)."""
     gen = torch.Generator().manual_seed(seed)
     size, h_kv = store.page_size, store.num_kv_heads
     pages = plan.page_ids
@@ -108,20 +107,12 @@ def access_pattern(stats, store: PageIndexStore, plan, seed: int = 0):
 def timed_cold(fns: dict, rounds: int, sweep_mb: int = 96) -> dict:
     """Median ms of each function, called in alternation with every cache swept before each call."""
     sweep = torch.ones(sweep_mb << 20, dtype=torch.uint8)
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            sweep.add_(1)
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return timeit_alternating(fns, rounds, before=lambda: sweep.add_(1))
 
 
 def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, rounds: int, ops) -> dict:
-    pb = paged_batch(trace, layer, batch, index_kw.get("page_size", 64))
     cfg = LouverConfig(**index_kw, policy="budget", budget=budget)
+    pb = paged_batch(trace, layer, batch, cfg.page_size)
     store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
     plan = plan_decode(pb.page_table, pb.seq_lens, cfg)
     store.build_pages(pb.k, plan.page_ids)
