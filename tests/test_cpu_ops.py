@@ -10,7 +10,7 @@ import torch
 from conftest import make_paged
 from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
-from louver_sgl.decode.fused import chunk_totals_reference, compiled_exact_part, merge_reference
+from louver_sgl.decode.fused import chunk_totals_reference, compiled_exact_part, merge_reference, step_stats_reference
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.step import exact_part
 
@@ -70,6 +70,39 @@ def test_chunk_totals_match_torch():
     want = chunk_totals_reference(counts, mass, chunk_req, batch)
     assert torch.equal(per_head, want[0]) and torch.equal(per_req, want[1])
     torch.testing.assert_close(masses, want[2], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("own_dropped", [False, True])
+def test_step_stats_match_torch(own_dropped):
+    gen = torch.Generator().manual_seed(5)
+    batch, h_kv, groups = 4, 3, 2
+    heads = h_kv * groups
+    num_indexed = torch.tensor([1000, 0, 64, 500])
+    per_req = torch.stack([torch.tensor([800, 0, 64, 100]), torch.randint(0, 99, (batch,), generator=gen),
+                           torch.randint(0, 99, (batch,), generator=gen)], -1)  # requests 0 and 2 fall back
+    per_head = torch.randint(0, 500, (batch, heads, 2), generator=gen)
+    t = torch.randn(batch, heads, generator=gen)
+    z = torch.rand(batch, heads, 2, generator=gen, dtype=torch.float64) + 0.5
+    masses = torch.rand(batch, heads, 3, generator=gen, dtype=torch.float64)
+    z[3, 1, 0] = float("nan")  # NaN masses stay NaN in the bound, as torch.maximum does
+    dropped = torch.rand(batch, heads, generator=gen, dtype=torch.float64) if own_dropped else torch.empty(0, dtype=torch.float64)
+    *got, got_any = OPS.step_stats(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
+    want, want_any = step_stats_reference(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
+    assert got_any is want_any is True
+    assert torch.equal(got[4], torch.tensor([True, False, True, False]))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=0, rtol=1e-15, equal_nan=True)
+    assert bool(torch.isnan(got[3][3, 1])) and float(got[3][0].abs().sum()) == 0.0
+    t[0, 0] = 7.0  # the stats own their memory
+    assert float(got[0][0, 0]) != 7.0
+
+
+def test_fp32_exp_error_bound_holds_for_every_input():
+    """The candidate masses rest on exp_ps16's error bound: checked for every fp32 x whose e^x is
+    a normal fp32 (the kernels clamp to [-87, 88] where a bound depends on it)."""
+    worst, bound = OPS.exp_ps16_error(-87.3, 88.0)
+    assert 0.0 < worst <= bound
 
 
 def test_exact_part_rejects_a_narrow_sample_buffer():

@@ -41,8 +41,10 @@ inline double rel_mass(float sigma, float x, float ref) {
   return std::exp(std::min(700.0, double(sigma) * (double(x) - double(ref))));
 }
 
-// Relative safety of masses summed from exp_pd8 (error < 1e-15 per term).
-constexpr double kMassUp = 1.0 + 0x1p-40, kMassDown = 1.0 - 0x1p-40;
+// Relative safety of the candidate masses of add_masses, summed in fp32 per 16 candidates:
+// exp_ps16's error (below kExpPs16RelError, checked for every fp32 input by a test), x = σ(s − ref)
+// rounded twice in fp32 (|x| <= 88: below 1.1e-5), a 16-term sum of positive terms (below 15u).
+constexpr double kMassUp = 1.0 + 0x1p-16, kMassDown = 1.0 - 0x1p-16;
 
 template <typename KV>
 struct ChunkRunner {
@@ -111,7 +113,7 @@ struct ChunkRunner {
       drop_max[g] = -INFINITY;
     }
     if (vnni_scan()) {
-      for (int64_t g = 0; g < G; ++g) nibble_order(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
+      for (int64_t g = 0; g < G; ++g) nibble_order64(wq.data() + g * D, a.bits, D, wsplit.data() + g * D);
     }
     return true;
   }
@@ -222,25 +224,25 @@ struct ChunkRunner {
     }
   }
 
-  // score_candidates for 16 candidates at a time: K rows to fp32 scratch, G·16 FMA rows reduced
-  // by the transposing add tree, masses with the 8-lane fp64 exp (bounded by kMassUp/kMassDown).
+  // score_candidates for 16 candidates at a time: K rows to fp32 scratch, then per head 16 FMA
+  // chains (one per candidate, channel blocks outer so that the chains are independent) reduced by
+  // the transposing add tree, and the masses in fp32 (add_masses).
   void score_candidates16() {
 #if defined(__AVX512F__)
     const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
     for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n_cand - c0);
       const __mmask16 valid = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
+      // rows past nb keep stale finite values: their lanes are masked out below
       for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
       uint16_t need = 0;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = a.q + (head0 + g) * D;
         __m512 v[16];
-        for (int64_t t = 0; t < 16; ++t) {
-          __m512 sum = _mm512_setzero_ps();
-          if (t < nb)
-            for (int64_t j = 0; j < D; j += 16)
-              sum = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), _mm512_loadu_ps(qg + j), sum);
-          v[t] = sum;
+        for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D; j += 16) {
+          const __m512 qj = _mm512_loadu_ps(qg + j);
+          for (int t = 0; t < 16; ++t) v[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, v[t]);
         }
         const __m512 s = lane_sums16_ps(v);
         _mm512_storeu_ps(score.data() + g * P16 + c0, s);
@@ -257,23 +259,20 @@ struct ChunkRunner {
   }
 
 #if defined(__AVX512F__)
-  // mass[2] += Σ e^{σ(s − ref)} over valid lanes (rounded down; lanes below e^-700 and NaN count
-  // 0), mass[1] += the same over valid lanes not attended (rounded up; exponents clamp at −700).
+  // mass[2] += a lower bound of Σ e^{σ(s − ref)} over the valid lanes, mass[1] += an upper bound of
+  // the same over the valid lanes not attended, both from fp32 exps (kMassDown / kMassUp cover
+  // their error). Lower bound: lanes with x = σ(s − ref) below −87 (subnormal e^x) or NaN count 0,
+  // x above 80 counts e^80. Upper bound: x below −87 counts e^−87, NaN or above 88 counts +inf.
   void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, float ref) const {
-    const __m512d sig = _mm512_set1_pd(a.sigma), r = _mm512_set1_pd(ref), floor = _mm512_set1_pd(-700.0);
-    const __m512d halves[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
-                               _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)))};
-    double all = 0.0, gated = 0.0;
-    for (int half = 0; half < 2; ++half) {
-      const __m512d x = _mm512_mul_pd(sig, _mm512_sub_pd(halves[half], r));
-      const __m512d e = exp_pd8(x);
-      const __mmask8 ok = static_cast<__mmask8>(valid >> (8 * half)) & _mm512_cmp_pd_mask(x, floor, _CMP_GE_OQ);
-      const __mmask8 drop = static_cast<__mmask8>((valid & ~attend) >> (8 * half));
-      all += _mm512_mask_reduce_add_pd(ok, e);
-      gated += _mm512_mask_reduce_add_pd(drop, e);
-    }
-    h.mass[2] += all * kMassDown;
-    h.mass[1] += gated * kMassUp;
+    const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(s, _mm512_set1_ps(ref)));
+    const __mmask16 counted = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    const __m512 low = exp_ps16(_mm512_min_ps(x, _mm512_set1_ps(80.f)));
+    const __mmask16 gated = valid & ~attend;
+    __m512 high = exp_ps16(_mm512_max_ps(x, _mm512_set1_ps(-87.f)));
+    const __mmask16 huge = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_NLE_UQ);  // above 88 or NaN
+    high = _mm512_mask_mov_ps(high, huge, _mm512_set1_ps(INFINITY));
+    h.mass[2] += double(_mm512_mask_reduce_add_ps(counted, low)) * kMassDown;
+    if (gated) h.mass[1] += double(_mm512_mask_reduce_add_ps(gated, high)) * kMassUp;
   }
 #endif
 

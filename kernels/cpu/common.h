@@ -90,6 +90,31 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
                        int64_t D, int64_t bits, float* w, float* off, float* pb) {
   const float levels = static_cast<float>(1 << bits);
   const float terms = static_cast<float>(2 * D + 2 + 8);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {  // the loop below, 16 channels at a time (it is run once per page and KV head)
+    const __m512 half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(levels - 0.5f), lev = _mm512_set1_ps(levels);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qk + g * D;
+      __m512 o = _mm512_setzero_ps(), page = o, radius = o, mag = o;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 l = _mm512_loadu_ps(lo + d), s = _mm512_loadu_ps(sc + d), r = _mm512_loadu_ps(rad + d);
+        const __m512 q = _mm512_loadu_ps(qg + d), qa = _mm512_abs_ps(q);
+        _mm512_storeu_ps(w + g * D + d, _mm512_mul_ps(q, s));
+        const __m512 low = _mm512_mul_ps(q, _mm512_fmadd_ps(half, s, l));
+        const __m512 high = _mm512_mul_ps(q, _mm512_fmadd_ps(top, s, l));
+        o = _mm512_add_ps(o, low);
+        page = _mm512_add_ps(page, _mm512_max_ps(low, high));
+        radius = _mm512_fmadd_ps(qa, r, radius);
+        mag = _mm512_fmadd_ps(qa, _mm512_add_ps(_mm512_fmadd_ps(lev, _mm512_abs_ps(s), _mm512_abs_ps(l)), r), mag);
+      }
+      const float rsum = _mm512_reduce_add_ps(radius);
+      const float slack = _mm512_reduce_add_ps(mag) * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+      off[g] = _mm512_reduce_add_ps(o) + rsum + slack;
+      pb[g] = _mm512_reduce_add_ps(page) + rsum + slack;
+    }
+    return;
+  }
+#endif
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = qk + g * D;
     float* wg = w + g * D;
@@ -272,6 +297,24 @@ inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* 
     }
 }
 
+// nibble_order of one head's int8 weights with block 64: one byte permutation per 64 channels.
+inline void nibble_order64(const int8_t* w, int64_t bits, int64_t D, int8_t* out) {
+#if defined(__AVX512VBMI__)
+  if (bits == 4) {
+    alignas(64) int8_t idx[64];
+    for (int j = 0; j < 32; ++j) {
+      idx[j] = static_cast<int8_t>(2 * j);
+      idx[32 + j] = static_cast<int8_t>(2 * j + 1);
+    }
+    const __m512i perm = _mm512_load_si512(idx);
+    for (int64_t blk = 0; blk < D / 64; ++blk)
+      _mm512_storeu_si512(out + blk * 64, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + blk * 64)));
+    return;
+  }
+#endif
+  nibble_order(w, bits, D, 64, out);
+}
+
 inline int32_t dot_u8s8(const uint8_t* c, const int8_t* w, int64_t D) {
   int32_t acc = 0;
 #pragma omp simd reduction(+ : acc)
@@ -322,25 +365,11 @@ inline __m512 lane_sums16_ps(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
 }
 
-// e^x for 8 doubles with relative error below 1e-15: k = round(x/ln2), r = x − k·ln2 (Cody-Waite
-// with FMA, |r| <= 0.35), Taylor polynomial to r^13 (truncation < 1e-17), times 2^k. x is clamped
-// to [−700, 700]; NaN gives e^700 (an upper bound, as rel_mass does).
-inline __m512d exp_pd8(__m512d x) {
-  x = _mm512_max_pd(_mm512_min_pd(x, _mm512_set1_pd(700.0)), _mm512_set1_pd(-700.0));  // NaN -> 700
-  const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(6.93147180369123816490e-01), x);
-  r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.90821492927058770002e-10), r);
-  constexpr double inv_fact[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                   1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                   1.0 / 479001600, 1.0 / 6227020800};
-  __m512d p = _mm512_set1_pd(inv_fact[13]);
-  for (int i = 12; i >= 0; --i) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[i]));
-  return _mm512_scalef_pd(p, k);
-}
-
-// e^x for 16 floats, for softmax weights (no bound depends on it): a few ulp; x below −104 gives
-// 0, NaN stays NaN. Cephes' two-part ln2, Taylor polynomial to r^7 (truncation < 2^-24).
+// e^x for 16 floats (softmax weights and the candidate masses): relative error below
+// kExpPs16RelError wherever e^x is a normal fp32 (x in [−87.3, 88]; tests check every fp32 input
+// there against fp64); x below −104 gives 0, NaN stays NaN. Cephes' two-part ln2, Taylor
+// polynomial to r^7 (truncation < 2^-24).
+constexpr double kExpPs16RelError = 0x1p-22;
 inline __m512 exp_ps16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));  // NaN propagates
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -10,5 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_part", &exact_part, "Louver exact scores of the dense part and sample, ref and masses (CPU)");
   m.def("merge_chunks", &merge_chunks, "Louver merge of the dense part with the attend kernel's chunks (CPU)");
   m.def("chunk_totals", &chunk_totals, "Louver per-request totals of the attend kernel's chunk outputs (CPU)");
+  m.def("step_stats", &step_stats, "Louver step statistics from the compiled step's totals (CPU)");
+  m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)");
   m.def("fused_step", &fused_step, "Louver decode step of the sample-threshold policies in one call (CPU)");
 }

@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
+
 void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
                  torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, int64_t bits, int64_t page_size,
                  torch::Tensor tok, torch::Tensor pb);
@@ -32,3 +34,7 @@ void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
                 torch::Tensor ref, torch::Tensor z, torch::Tensor t, torch::Tensor gate, torch::Tensor m_out,
                 torch::Tensor l_out, torch::Tensor o_out, torch::Tensor counts, torch::Tensor mass,
                 torch::Tensor result, torch::Tensor per_head, torch::Tensor per_req, torch::Tensor masses);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, bool> step_stats(
+    torch::Tensor t, torch::Tensor z, torch::Tensor per_head, torch::Tensor per_req, torch::Tensor masses,
+    torch::Tensor index_dropped, torch::Tensor num_indexed, double fallback_fraction, int64_t h_kv);
+std::tuple<double, double> exp_ps16_error(double lo, double hi);

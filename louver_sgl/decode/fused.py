@@ -51,15 +51,18 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
 
     Budget, fixed and dense steps are one compiled call (``fused_step``); certified steps run the
-    exact part, the bound passes that choose T, then the attend, merge and totals ops.
+    exact part, the bound passes that choose T, then the attend, merge and totals ops. The task
+    list and the output buffers come from the plan (made once per forward pass, reused by every
+    layer): at batch 1 the step's own host work is a large share of its time.
     """
     batch, heads, _ = q.shape
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
-    groups = heads // h_kv
     q32 = q.to(torch.float32).contiguous()
-    chunk_req, begin, end = page_chunks(plan, chunk_pages)
-    n_chunks = len(chunk_req)
-    part = _Outputs(batch, heads, h_kv, d_v, n_chunks, len(plan.dense_slots), config.sample_size)
+    threads = torch.get_num_threads()
+    chunk_req, begin, end = plan.cached(("cpu_chunks", chunk_pages, threads), lambda: page_chunks(plan, chunk_pages))
+    part = plan.cached(("cpu_outputs", chunk_pages, threads, heads, h_kv, d_v, config.sample_size),
+                       lambda: _Outputs(batch, heads, h_kv, d_v, len(chunk_req), len(plan.dense_slots),
+                                        config.sample_size))
     meta = store.tensors
     index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
     index_dropped = None
@@ -80,31 +83,46 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
                        plan.sample_req, plan.page_ids, chunk_req, begin, end, float(sigma), float(budget), t_fixed,
                        gates_values(config), store.config.grid_bits, store.page_size, *part.exact, part.t, part.gate,
                        *part.attend, part.result, *part.totals)
-        ex, t = part.exact_part(plan), part.t
-    per_head, per_req, masses = part.totals
-    union = per_req[:, 0]
-    fallback = union > config.dense_fallback_fraction * (plan.num_indexed * h_kv).clamp(min=1)
+        t = part.t
+    dropped = index_dropped if index_dropped is not None else torch.empty(0, dtype=torch.float64)
+    *fields, any_fallback = ops.step_stats(t, part.z, *part.totals, dropped, plan.num_indexed,
+                                           float(config.dense_fallback_fraction), h_kv)
+    stats = _step_stats(fields, plan)
     result = part.result
-    if bool(fallback.any()):
-        result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
+    if any_fallback:
+        result = _dense_for(stats.dense_fallback, result, q32, k_cache, v_cache, plan, sigma)
     if out is None:
-        out = torch.empty((batch, heads, d_v), dtype=q.dtype)
-    out.copy_(result)
-    z_final = torch.maximum(ex.z_lb, ex.z_dense + masses[..., 2])
-    if index_dropped is None:  # the kernel's accounting (one exp per page: a looser upper bound)
-        index_dropped = masses[..., 0]
-    bound = torch.where(fallback[:, None], 0.0, (index_dropped + masses[..., 1]) / z_final)
-    stats = StepStats(
-        threshold=t, candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], per_head[..., 0]),
-        pages_skipped=per_head[..., 1], mass_bound=bound, num_indexed=plan.num_indexed,
-        num_pages=plan.num_pages, dense_fallback=fallback, values_read=per_req[:, 1], union_candidates=union,
-        pages_read=per_req[:, 2],
-    )
+        out = result.to(q.dtype, copy=True)  # the buffers are reused by the next step
+    else:
+        out.copy_(result)
     return out, stats
 
 
+def _step_stats(fields, plan: DecodePlan) -> StepStats:
+    threshold, candidates, skipped, bound, fallback, counts = fields
+    return StepStats(threshold=threshold, candidates=candidates, pages_skipped=skipped, mass_bound=bound,
+                     num_indexed=plan.num_indexed, num_pages=plan.num_pages, dense_fallback=fallback,
+                     values_read=counts[:, 1], union_candidates=counts[:, 0], pages_read=counts[:, 2])
+
+
+def step_stats_reference(t, z, per_head, per_req, masses, index_dropped, num_indexed, fallback_fraction, h_kv):
+    """The specification of the compiled ``step_stats``: (threshold, candidates, pages_skipped,
+    mass_bound, dense_fallback, counts) as new tensors (shapes in the op's comment) and whether
+    any request falls back to dense. The bound is (index-dropped + value-gated mass) / Z with Z
+    the larger of the exact part's lower bound and the dense part plus every union candidate;
+    requests over the fallback fraction attend densely (bound 0, every indexed key a candidate)."""
+    fallback = per_req[:, 0] > fallback_fraction * (num_indexed * h_kv).clamp(min=1)
+    z_final = torch.maximum(z[..., 0] + z[..., 1], z[..., 0] + masses[..., 2])
+    dropped = index_dropped if index_dropped.numel() else masses[..., 0]
+    bound = torch.where(fallback[:, None], 0.0, (dropped + masses[..., 1]) / z_final)
+    candidates = torch.where(fallback[:, None], num_indexed[:, None], per_head[..., 0])
+    fields = (t.clone(), candidates, per_head[..., 1].clone(), bound, fallback, per_req.clone())
+    return fields, bool(fallback.any())
+
+
 class _Outputs:
-    """The compiled step's output buffers (allocated per step; shapes in the op comments)."""
+    """The compiled step's output buffers (made once per plan, see ``run_decode_fused``; shapes in
+    the op comments)."""
 
     def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size):
         groups = heads // h_kv

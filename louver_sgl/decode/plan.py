@@ -9,11 +9,14 @@ Planning may allocate and loop over requests; the device-side step only reads it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
 from ..config import LouverConfig
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -38,6 +41,16 @@ class DecodePlan:
     samples_per_request: torch.Tensor
     seq_lens: torch.Tensor
     pages_per_request: tuple[int, ...]
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def cached(self, key: tuple, make: Callable[[], _T]) -> _T:
+        """``make()``, built once per plan and ``key``: host data derived from the plan (kernel task
+        lists) and step buffers sized by it. The plan is planned once per forward pass and every
+        layer's step reuses these instead of rebuilding them (a step consumes its buffers before it
+        returns)."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
 
 def split_pages(num_tokens: int, config: LouverConfig) -> tuple[range, range, range]:

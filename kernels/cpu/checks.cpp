@@ -1,0 +1,62 @@
+// Exhaustive checks of numeric building blocks whose error bounds enter a certificate (the tests
+// call them; nothing else does).
+
+#include <cstring>
+#include <mutex>
+
+#include "common.h"
+#include "ops.h"
+
+using namespace louver_cpu;
+
+namespace {
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Largest |exp_ps16(x) − e^x| / e^x over the fp32 bit patterns [first, last] (one sign).
+double exp_error_patterns(uint32_t first, uint32_t last) {
+  std::mutex lock;
+  double worst = 0.0;
+  const int64_t n = int64_t(last) - int64_t(first) + 1;
+  at::parallel_for(0, (n + 15) / 16, 1 << 16, [&](int64_t begin, int64_t end) {
+    double local = 0.0;
+#if defined(__AVX512F__)
+    alignas(64) float xs[16], ys[16];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
+      _mm512_store_ps(ys, exp_ps16(_mm512_load_ps(xs)));
+      for (int i = 0; i < 16; ++i) {
+        const double e = std::exp(double(xs[i]));
+        local = std::max(local, std::fabs(double(ys[i]) - e) / e);
+      }
+    }
+#endif
+    std::lock_guard<std::mutex> guard(lock);
+    worst = std::max(worst, local);
+  });
+  return worst;
+}
+
+}  // namespace
+
+// (largest relative error of exp_ps16 over every fp32 x in [lo, hi], the bound the kernels assume:
+// kExpPs16RelError). Needs AVX-512 (the only build that uses exp_ps16).
+std::tuple<double, double> exp_ps16_error(double lo, double hi) {
+  TORCH_CHECK(kHaveAvx512, "exp_ps16_error: built without AVX-512");
+  TORCH_CHECK(lo <= hi, "exp_ps16_error: need lo <= hi");
+  const float a = static_cast<float>(lo), b = static_cast<float>(hi);
+  double worst = 0.0;
+  if (a < 0.f) worst = std::max(worst, exp_error_patterns(to_bits(std::min(b, -0.f)), to_bits(a)));  // −0 .. a
+  if (b >= 0.f) worst = std::max(worst, exp_error_patterns(to_bits(std::max(a, 0.f)), to_bits(b)));
+  return {worst, kExpPs16RelError};
+}
