@@ -37,8 +37,9 @@ def test_exact_part_matches_torch(dtype):
     assert t is None
     torch.testing.assert_close(got.s_dense, want.s_dense, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.ref, want.ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got.z_dense, want.z_dense, atol=1e-9, rtol=1e-5)
-    torch.testing.assert_close(got.z_lb, want.z_lb, atol=1e-9, rtol=1e-5)
+    for name in ("z_dense", "z_lb"):  # lower bounds (fp32 exps times kMassDown) within 2^-14 of fp64
+        g, w = getattr(got, name), getattr(want, name)
+        assert bool((g <= w).all()) and bool((g >= w * (1 - 2**-14)).all()), name
     width = want.sample[0].shape[1]
     torch.testing.assert_close(got.sample[0][:, :width], want.sample[0], atol=1e-5, rtol=1e-5)
     assert bool(torch.isneginf(got.sample[0][:, width:]).all())

@@ -41,11 +41,6 @@ inline double rel_mass(float sigma, float x, float ref) {
   return std::exp(std::min(700.0, double(sigma) * (double(x) - double(ref))));
 }
 
-// Relative safety of the candidate masses of add_masses, summed in fp32 per 16 candidates:
-// exp_ps16's error (below kExpPs16RelError, checked for every fp32 input by a test), x = σ(s − ref)
-// rounded twice in fp32 (|x| <= 88: below 1.1e-5), a 16-term sum of positive terms (below 15u).
-constexpr double kMassUp = 1.0 + 0x1p-16, kMassDown = 1.0 - 0x1p-16;
-
 template <typename KV>
 struct ChunkRunner {
   const AttendArgs& a;
@@ -260,19 +255,12 @@ struct ChunkRunner {
 
 #if defined(__AVX512F__)
   // mass[2] += a lower bound of Σ e^{σ(s − ref)} over the valid lanes, mass[1] += an upper bound of
-  // the same over the valid lanes not attended, both from fp32 exps (kMassDown / kMassUp cover
-  // their error). Lower bound: lanes with x = σ(s − ref) below −87 (subnormal e^x) or NaN count 0,
-  // x above 80 counts e^80. Upper bound: x below −87 counts e^−87, NaN or above 88 counts +inf.
+  // the same over the valid lanes not attended (fp32 exps, see kMassDown / kMassUp).
   void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, float ref) const {
     const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(s, _mm512_set1_ps(ref)));
-    const __mmask16 counted = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    const __m512 low = exp_ps16(_mm512_min_ps(x, _mm512_set1_ps(80.f)));
+    h.mass[2] += double(exp_sum_low16(x, valid)) * kMassDown;
     const __mmask16 gated = valid & ~attend;
-    __m512 high = exp_ps16(_mm512_max_ps(x, _mm512_set1_ps(-87.f)));
-    const __mmask16 huge = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_NLE_UQ);  // above 88 or NaN
-    high = _mm512_mask_mov_ps(high, huge, _mm512_set1_ps(INFINITY));
-    h.mass[2] += double(_mm512_mask_reduce_add_ps(counted, low)) * kMassDown;
-    if (gated) h.mass[1] += double(_mm512_mask_reduce_add_ps(gated, high)) * kMassUp;
+    if (gated) h.mass[1] += double(exp_sum_high16(x, gated)) * kMassUp;
   }
 #endif
 

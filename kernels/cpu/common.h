@@ -265,12 +265,18 @@ inline void dot_block16_vnni(const uint8_t* first, int64_t stride, int64_t bits,
     for (int t = 0; t < 16; ++t) v[t] = load_code_block(first + t * stride, bits, blk);
     transpose16_epi32(v, col);
     for (int64_t g = 0; g < G; ++g) {
+      // two local chains per head: int8 weights may alias out[], so accumulating there would
+      // store and reload it after every step
       const int8_t* wb = w + g * D + blk * 64;
-      for (int j = 0; j < 16; ++j) {
-        int32_t quad;
-        std::memcpy(&quad, wb + 4 * j, sizeof(quad));
-        out[g] = _mm512_dpbusd_epi32(out[g], col[j], _mm512_set1_epi32(quad));
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int j = 0; j < 16; j += 2) {
+        int32_t q0, q1;
+        std::memcpy(&q0, wb + 4 * j, sizeof(q0));
+        std::memcpy(&q1, wb + 4 * j + 4, sizeof(q1));
+        even = _mm512_dpbusd_epi32(even, col[j], _mm512_set1_epi32(q0));
+        odd = _mm512_dpbusd_epi32(odd, col[j + 1], _mm512_set1_epi32(q1));
       }
+      out[g] = _mm512_add_epi32(out[g], _mm512_add_epi32(even, odd));
     }
   }
 }
@@ -348,6 +354,15 @@ inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t byt
 }
 
 
+// Bound on exp_ps16's relative error wherever e^x is a normal fp32 (checked by a test).
+constexpr double kExpPs16RelError = 0x1p-22;
+
+// Relative safety of masses Σ e^{σ(s − ref)} summed from exp_ps16 in 16-lane blocks (exp_sum_low16,
+// exp_sum_high16): exp_ps16's error (below kExpPs16RelError = 2^-22), x = σ(s − ref) with up to
+// three fp32 roundings (σ to fp32, the difference, the product; |x| <= 88: below 1.6e-5), a sum of
+// 16 positive terms (below 15u = 9e-7): in all below 1.7e-5 < 2^-15. Block sums add up in fp64.
+constexpr double kMassUp = 1.0 + 0x1p-15, kMassDown = 1.0 - 0x1p-15;
+
 #if defined(__AVX512F__)
 
 // Lane t of the result is the sum of the 16 lanes of v[t] (fp32 version of lane_sums16).
@@ -369,7 +384,6 @@ inline __m512 lane_sums16_ps(const __m512* v) {
 // kExpPs16RelError wherever e^x is a normal fp32 (x in [−87.3, 88]; tests check every fp32 input
 // there against fp64); x below −104 gives 0, NaN stays NaN. Cephes' two-part ln2, Taylor
 // polynomial to r^7 (truncation < 2^-24).
-constexpr double kExpPs16RelError = 0x1p-22;
 inline __m512 exp_ps16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));  // NaN propagates
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -380,6 +394,40 @@ inline __m512 exp_ps16(__m512 x) {
   __m512 p = _mm512_set1_ps(inv_fact[7]);
   for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(inv_fact[i]));
   return _mm512_scalef_ps(p, k);
+}
+
+
+// Σ e^{x} over the valid lanes, rounded so that kMassDown times it is a lower bound: lanes with x
+// below −87 (subnormal e^x) or NaN count 0, x above 80 counts e^80.
+inline float exp_sum_low16(__m512 x, __mmask16 valid) {
+  const __mmask16 counted = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_mask_reduce_add_ps(counted, exp_ps16(_mm512_min_ps(x, _mm512_set1_ps(80.f))));
+}
+
+// Σ e^{x} over the valid lanes, such that kMassUp times it is an upper bound: x below −87 counts
+// e^−87, NaN or x above 88 counts +inf.
+inline float exp_sum_high16(__m512 x, __mmask16 valid) {
+  const __mmask16 huge = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_NLE_UQ);
+  const __m512 e = _mm512_mask_mov_ps(exp_ps16(_mm512_max_ps(x, _mm512_set1_ps(-87.f))), huge, _mm512_set1_ps(INFINITY));
+  return _mm512_mask_reduce_add_ps(valid, e);
+}
+
+// n values src[i·stride] into 16-lane vectors (lanes past n are 0, masked by the caller).
+inline __m512 gather16(const float* src, int64_t stride, int64_t n) {
+  alignas(64) float tmp[16] = {};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) tmp[i] = src[i * stride];
+  return _mm512_load_ps(tmp);
+}
+
+// A lower bound of Σ_i e^{σ(s_i − r)} over n scores s_i = src[i·stride] (kMassDown applied).
+inline double mass_lower(const float* src, int64_t stride, int64_t n, float sigma, float r) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - i);
+    const __m512 x = _mm512_mul_ps(_mm512_set1_ps(sigma), _mm512_sub_ps(gather16(src + i * stride, stride, nb), _mm512_set1_ps(r)));
+    sum += double(exp_sum_low16(x, nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1)));
+  }
+  return sum * kMassDown;
 }
 
 // Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.

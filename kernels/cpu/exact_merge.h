@@ -86,7 +86,8 @@ inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t 
 }
 
 // Per (request, head) bh in [begin, end): ref (max exact score; NaN propagates, as in torch's
-// amax), the masses relative to it, and with a budget the sample threshold.
+// amax), the masses relative to it (lower bounds within a factor kMassDown of the fp64 sums), and
+// with a budget the sample threshold.
 inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vector<float>& scratch) {
   const int64_t H = e.H, M = e.M;
   for (int64_t bh = begin; bh < end; ++bh) {
@@ -98,8 +99,16 @@ inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vec
     e.rp[bh] = top;
     double zd = 0.0, zs = 0.0;
     const double r = top;
-    for (int64_t i = e.d_bounds[b]; i < e.d_bounds[b + 1]; ++i) zd += std::exp(e.sigma * (double(e.sd[i * H + h]) - r));
-    for (int64_t j = 0; j < n_sample; ++j) zs += std::exp(e.sigma * (double(e.sp[(b * M + j) * H + h]) - r));
+    const int64_t d0 = e.d_bounds[b], nd = e.d_bounds[b + 1] - d0;
+    if (kHaveAvx512 && std::isfinite(top)) {  // lower bounds from fp32 exps (kMassDown)
+#if defined(__AVX512F__)
+      zd = mass_lower(e.sd + d0 * H + h, H, nd, static_cast<float>(e.sigma), top);
+      zs = mass_lower(e.sp + b * M * H + h, H, n_sample, static_cast<float>(e.sigma), top);
+#endif
+    } else {  // NaN / inf scores: the fp64 sums (NaN or inf propagate as in torch)
+      for (int64_t i = d0; i < d0 + nd; ++i) zd += std::exp(e.sigma * (double(e.sd[i * H + h]) - r));
+      for (int64_t j = 0; j < n_sample; ++j) zs += std::exp(e.sigma * (double(e.sp[(b * M + j) * H + h]) - r));
+    }
     e.zp[bh * 2] = zd;
     e.zp[bh * 2 + 1] = zs;
     if (e.tp) e.tp[bh] = budget_pick(e.sp + b * M * H + h, H, n_sample, e.budget, scratch);
@@ -127,29 +136,56 @@ inline MergeArgs merge_args(const torch::Tensor& s_dense, const torch::Tensor& d
   return g;
 }
 
+// Softmax weights e^{σ·s − top_j} of the nd dense rows from d0 for the G heads of KV head k:
+// weight [G, nd] (resized), den[j] = their sum.
+inline void dense_weights(const MergeArgs& g, int64_t d0, int64_t nd, int64_t k, const float* top,
+                          std::vector<float>& weight, float* den) {
+  const int64_t H = g.H, G = g.G;
+  weight.resize(G * nd);
+  for (int64_t j = 0; j < G; ++j) {
+    const float* src = g.sd + d0 * H + k * G + j;
+    float* w = weight.data() + j * nd;
+    int64_t i = 0;
+    den[j] = 0.f;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    for (; i + 16 <= nd; i += 16) {
+      const __m512 x = _mm512_fmsub_ps(_mm512_set1_ps(g.sig), gather16(src + i * H, H, 16), _mm512_set1_ps(top[j]));
+      const __m512 e = exp_ps16(x);
+      _mm512_storeu_ps(w + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    den[j] = _mm512_reduce_add_ps(sum);
+#endif
+    for (; i < nd; ++i) {
+      w[i] = std::exp(g.sig * src[i * H] - top[j]);
+      den[j] += w[i];
+    }
+  }
+}
+
 // Merge tasks (request, KV head) in [begin, end): softmax over the dense part's exact scores and
 // the chunks' partial states, written normalised to out.
 template <typename KV>
 inline void merge_tasks(const MergeArgs& g, const KV* vc, int64_t begin, int64_t end) {
   const int64_t H = g.H, DV = g.DV, G = g.G, h_kv = g.h_kv;
-  std::vector<float> val(DV), num(G * DV), top(G), den(G);
+  std::vector<float> val(DV), num(G * DV), top(G), den(G), weight;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / h_kv, k = task % h_kv, h0 = b * H + k * G;
+    const int64_t d0 = g.d_bounds[b], nd = g.d_bounds[b + 1] - d0;
     for (int64_t j = 0; j < G; ++j) {
       float t = -INFINITY;
-      for (int64_t i = g.d_bounds[b]; i < g.d_bounds[b + 1]; ++i) t = std::max(t, g.sig * g.sd[i * H + k * G + j]);
+      for (int64_t i = d0; i < d0 + nd; ++i) t = std::max(t, g.sig * g.sd[i * H + k * G + j]);
       for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c) t = std::max(t, g.mp[c * H + k * G + j]);
       top[j] = std::isfinite(t) ? t : 0.f;
-      den[j] = 0.f;
     }
+    dense_weights(g, d0, nd, k, top.data(), weight, den.data());
     std::fill(num.begin(), num.end(), 0.f);
-    for (int64_t i = g.d_bounds[b]; i < g.d_bounds[b + 1]; ++i) {
-      load_f32(vc + (g.ds[i] * h_kv + k) * DV, DV, val.data());
-      for (int64_t j = 0; j < G; ++j) {
-        const float w = std::exp(g.sig * g.sd[i * H + k * G + j] - top[j]);
-        den[j] += w;
-        axpy(num.data() + j * DV, w, val.data(), DV);
-      }
+    for (int64_t i = 0; i < nd; ++i) {
+      if (i + kExactAhead < nd)  // the V rows are strided by H_kv: fetch ahead
+        prefetch_bytes(vc + (g.ds[d0 + i + kExactAhead] * h_kv + k) * DV, DV * static_cast<int64_t>(sizeof(KV)));
+      load_f32(vc + (g.ds[d0 + i] * h_kv + k) * DV, DV, val.data());
+      for (int64_t j = 0; j < G; ++j) axpy(num.data() + j * DV, weight[j * nd + i], val.data(), DV);
     }
     for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c)
       for (int64_t j = 0; j < G; ++j) {
