@@ -78,7 +78,7 @@ def quantize_weights(w, BITS: tl.constexpr):
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     r = tl.where(r == r, r, 0.0)
     sw = step[:, None] * r
-    err = tl.sum(tl.abs(w - sw), 1)
+    err = tl.sum(tl.maximum(w - sw, 0.0), 1)  # codes are >= 0: only channels rounded down raise the sum
     mag = tl.sum(tl.abs(sw), 1)
     levels: tl.constexpr = (1 << BITS) - 1
     # (1 + 2^-16) and the 2^-20 relative term cover fp32 rounding of err, of step·wq and step·acc.
