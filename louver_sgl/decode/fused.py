@@ -24,26 +24,33 @@ from .step import ExactPart, StepStats, _dense_for, gates_values
 def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split each request's page rows into chunks: (chunk_req, begin, end) ``[NC]`` int64.
 
-    ``chunk_pages`` is an upper bound: chunks are made smaller when the batch would otherwise give
-    fewer than ``TASKS_PER_THREAD`` chunks per thread (one chunk is one task of the kernel).
-    Host-side planning over the plan's page counts (a few requests: plain lists are cheaper than
-    a dozen small tensor ops).
+    One chunk is one task of the kernel's shared task counter. Chunk sizes shrink towards the end
+    of the batch (guided scheduling): a chunk takes at most ``chunk_pages`` pages and at most
+    1/(GUIDED_SHARE · threads) of the pages left, so the first tasks are large (few partial states
+    to merge) and the last ones single pages (the cores finish together). Host-side planning over
+    the plan's page counts (a few requests: plain lists are cheaper than a dozen small tensor ops).
     """
-    threads = torch.get_num_threads()
-    chunk_pages = max(1, min(chunk_pages, -(-len(plan.page_ids) // (TASKS_PER_THREAD * threads))))
+    share = GUIDED_SHARE * torch.get_num_threads()
+    left = sum(plan.pages_per_request)
     req, begin, end = [], [], []
     start = 0
     for b, count in enumerate(plan.pages_per_request):
-        for first in range(start, start + count, chunk_pages):
+        first, stop = start, start + count
+        while first < stop:
+            size = max(1, min(chunk_pages, -(-left // share), stop - first))
             req.append(b)
             begin.append(first)
-            end.append(min(first + chunk_pages, start + count))
-        start += count
+            end.append(first + size)
+            first += size
+            left -= size
+        start = stop
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long)
     return as_tensor(req), as_tensor(begin), as_tensor(end)
 
 
-TASKS_PER_THREAD = 16  # enough chunks for the shared task counter to balance the cores (cold caches make chunk costs uneven)
+# A chunk takes at most 1/(GUIDED_SHARE · threads) of the pages left: against an even split into 16
+# chunks per thread this measured 5-8 % faster at 32K, batch 1 (less waiting at the end).
+GUIDED_SHARE = 2
 
 
 def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
