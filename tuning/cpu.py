@@ -13,6 +13,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
 from louver_sgl.decode import louver_decode
+from louver_sgl.decode.plan import plan_decode
 from louver_sgl.profiles.launch import cpu_threads
 
 from .target import StepFn, Target, TimedPoint
@@ -40,8 +41,10 @@ class WallClockTimer:
 
 
 class CpuTarget(Target):
-    """Launch parameters: ``chunk_pages`` (pages per split of the compiled kernel) and
-    ``num_threads`` (torch threads around the step, 1..cores)."""
+    """Launch parameters: ``chunk_pages`` (the largest task of the compiled kernel, in pages; the
+    host shrinks tasks towards the end of the batch) and ``num_threads`` (torch threads around the
+    step, 1..cores). Steps are timed with the batch planned once, as the server plans once per
+    forward pass."""
 
     name = "cpu"
 
@@ -64,8 +67,10 @@ class CpuTarget(Target):
 
     def make_step(self, batch: PagedBatch, store: PageIndexStore, config: LouverConfig,
                   launch: Mapping[str, Any]) -> StepFn:
+        plan = plan_decode(batch.page_table, batch.seq_lens, config)
+
         def step():
             with cpu_threads(int(launch["num_threads"])):
                 return louver_decode(batch.q, batch.k, batch.v, batch.page_table, batch.seq_lens, store,
-                                     batch.sigma, config, chunk_pages=int(launch["chunk_pages"]))
+                                     batch.sigma, config, chunk_pages=int(launch["chunk_pages"]), plan=plan)
         return step
