@@ -309,12 +309,15 @@ inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* 
 inline void nibble_order64(const int8_t* w, int64_t bits, int64_t D, int8_t* out) {
 #if defined(__AVX512VBMI__)
   if (bits == 4) {
-    alignas(64) int8_t idx[64];
-    for (int j = 0; j < 32; ++j) {
-      idx[j] = static_cast<int8_t>(2 * j);
-      idx[32 + j] = static_cast<int8_t>(2 * j + 1);
-    }
-    const __m512i perm = _mm512_load_si512(idx);
+    // byte j <- channel 2j, byte 32 + j <- channel 2j + 1 (built once: this runs per page and head)
+    static const __m512i perm = [] {
+      alignas(64) int8_t idx[64];
+      for (int j = 0; j < 32; ++j) {
+        idx[j] = static_cast<int8_t>(2 * j);
+        idx[32 + j] = static_cast<int8_t>(2 * j + 1);
+      }
+      return _mm512_load_si512(idx);
+    }();
     for (int64_t blk = 0; blk < D / 64; ++blk)
       _mm512_storeu_si512(out + blk * 64, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + blk * 64)));
     return;
@@ -367,7 +370,7 @@ constexpr double kMassUp = 1.0 + 0x1p-15, kMassDown = 1.0 - 0x1p-15;
 
 #if defined(__AVX512F__)
 
-// Lane t of the result is the sum of the 16 lanes of v[t] (fp32 version of lane_sums16).
+// Lane t of the result is the sum of the 16 lanes of v[t].
 inline __m512 lane_sums16_ps(const __m512* v) {
   __m512 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)
