@@ -63,7 +63,7 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
   return e;
 }
 
-constexpr int64_t kExactAhead = 6;  // rows prefetched ahead by exact_rows
+constexpr int64_t kExactAhead = 12;  // rows prefetched ahead by exact_rows
 
 // Exact scores of rows [begin, end): rows 0..ND-1 are the dense part, ND..ND+NS-1 the sample
 // (written at its padded position). key: scratch [D].

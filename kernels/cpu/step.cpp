@@ -21,9 +21,11 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> key(e.D), scratch;
-    {  // one contiguous range of rows per thread, so that exact_rows can prefetch within it
-      const int64_t rows = e.nd + e.ns, id = omp_get_thread_num(), n = omp_get_num_threads();
-      exact_rows(e, kc, rows * id / n, rows * (id + 1) / n, key.data());
+    {  // an even share of the scattered sample and of the dense part per thread (the sample's
+       // random rows cost far more per row), each a contiguous range that exact_rows prefetches within
+      const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+      exact_rows(e, kc, e.nd + e.ns * id / n, e.nd + e.ns * (id + 1) / n, key.data());
+      exact_rows(e, kc, e.nd * id / n, e.nd * (id + 1) / n, key.data());
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
