@@ -31,6 +31,7 @@ from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import louver_decode
 from louver_sgl.decode.plan import plan_decode, split_pages
+from louver_sgl.memory import huge_copy
 
 POLICIES = {
     "certified-1e-2": {"policy": "certified", "eps": 1e-2},
@@ -87,13 +88,15 @@ def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int
     return ms["base"], ms["fn"]
 
 
-def dense_variants(pb: PagedBatch) -> dict:
+def dense_variants(pb: PagedBatch, huge_pages: bool = False) -> dict:
     """Dense decode attention closures over pre-gathered contiguous K/V.
 
     Per dtype: SDPA and bmm over K/V expanded to the query heads ``[H_q, L, D]``, and the
     GQA-grouped forms over ``[H_kv, L, D]`` (each KV head read once for its G query heads, which
-    is the fastest dense path at long context here).
+    is the fastest dense path at long context here). ``huge_pages``: the gathered K/V lie on
+    transparent huge pages (as louver's pool does when the benchmark gives it huge pages).
     """
+    place = huge_copy if huge_pages else (lambda t: t)
     batch, h_q, _ = pb.q.shape
     groups = h_q // pb.k.shape[1]
     size = len(pb.k) // pb.page_table.numel()
@@ -103,8 +106,8 @@ def dense_variants(pb: PagedBatch) -> dict:
         for b, n in enumerate(pb.seq_lens.tolist()):
             pos = torch.arange(n)
             slots = pb.page_table[b, pos // size] * size + pos % size
-            ks.append(pb.k[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0))
-            vs.append(pb.v[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0))
+            ks.append(place(pb.k[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0)))
+            vs.append(place(pb.v[slots].to(dtype).permute(1, 0, 2).repeat_interleave(groups, 0)))
         q = pb.q.to(dtype)
 
         def sdpa(q=q, ks=ks, vs=vs):
@@ -117,8 +120,8 @@ def dense_variants(pb: PagedBatch) -> dict:
                 res.append(torch.bmm(p.to(dtype), vs[b]))
             return res
 
-        kg = [k[::groups].contiguous() for k in ks]  # [H_kv, L, D]
-        vg = [v[::groups].contiguous() for v in vs]
+        kg = [place(k[::groups].contiguous()) for k in ks]  # [H_kv, L, D]
+        vg = [place(v[::groups].contiguous()) for v in vs]
         qg = q.view(batch, -1, groups, q.shape[-1])  # [B, H_kv, G, D]
 
         def sdpa_gqa(qg=qg, kg=kg, vg=vg):
@@ -188,11 +191,12 @@ def bytes_read(stats, pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig) 
     return float(total)
 
 
-def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict) -> dict:
+def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_pages: bool = False) -> dict:
     """One case: ``batches`` holds the same requests paged with each index's page size (the index
-    pages are the KV pages); the dense side uses the first."""
+    pages are the KV pages); the dense side uses the first. ``huge_pages``: the dense side's K/V on
+    huge pages too (set it when the batches' pools are)."""
     pb = next(iter(batches.values()))
-    variants = dense_variants(pb)
+    variants = dense_variants(pb, huge_pages)
     dense = {name: timeit(fn, repeats) for name, fn in variants.items()}
     best = min(dense, key=dense.get)
     kv_bytes = int(pb.seq_lens.sum()) * pb.k.shape[1] * 2 * pb.k.shape[2] * pb.k.element_size()
@@ -274,6 +278,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--indexes", nargs="+", default=list(INDEXES), choices=list(INDEXES))
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="keep K/V (both sides) on 4 KiB pages; the index store always asks for huge pages")
     parser.add_argument("--plot-only", action="store_true", help="redraw plot and table from --out")
     parser.add_argument("--markdown", action="store_true", help="with --plot-only: print the docs table")
     args = parser.parse_args()
@@ -292,7 +298,9 @@ def main() -> None:
         trace = load_trace(trace_path)
         indexes = {k: INDEXES[k] for k in args.indexes}
         sizes = dict.fromkeys([64] + [LouverConfig(**kw).page_size for kw in indexes.values()])
-        case = run_case({size: paged_batch(trace, layer, batch, size) for size in sizes}, args.repeats, indexes)
+        huge = not args.no_huge_pages
+        case = run_case({size: paged_batch(trace, layer, batch, size, huge_pages=huge) for size in sizes},
+                        args.repeats, indexes, huge)
         case.update(trace=trace_path, length=int(trace["meta"]["length"]), layer=layer, batch=batch)
         results["cases"].append(case)
         out = Path(args.out)

@@ -110,9 +110,10 @@ def timed_cold(fns: dict, rounds: int, sweep_mb: int = 96) -> dict:
     return timeit_alternating(fns, rounds, before=lambda: sweep.add_(1))
 
 
-def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, rounds: int, ops) -> dict:
+def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, rounds: int, ops,
+             huge_pages: bool = True) -> dict:
     cfg = LouverConfig(**index_kw, policy="budget", budget=budget)
-    pb = paged_batch(trace, layer, batch, cfg.page_size)
+    pb = paged_batch(trace, layer, batch, cfg.page_size, huge_pages=huge_pages)
     store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
     plan = plan_decode(pb.page_table, pb.seq_lens, cfg)
     store.build_pages(pb.k, plan.page_ids)
@@ -123,13 +124,14 @@ def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, round
     page_bytes = cfg.page_size * codes[0].numel() * codes.element_size()
     row_bytes = pb.k.shape[2] * pb.k.element_size()
     floor = lambda: ops.touch(codes, pages, page_bytes, k_rows, v_rows, pb.k, pb.v, row_bytes)
-    variants = dense_variants(pb)
+    variants = dense_variants(pb, huge_pages)
     best = min(variants, key=lambda n: timeit(variants[n], 5))
     cold = timed_cold({"dense": variants[best], "louver": step, "floor": floor}, rounds)
     floor_bytes = len(pages) * page_bytes + (len(k_rows) + len(v_rows)) * row_bytes
     dense_bytes = int(pb.seq_lens.sum()) * pb.k.shape[1] * 2 * pb.k.shape[2] * pb.k.element_size()
     return {
         "layer": layer, "batch": batch, "length": int(pb.seq_lens.max()), "index": index_kw, "budget": budget,
+        "huge_pages": huge_pages,
         "best_dense": best, "dense_ms": cold["dense"], "louver_ms": cold["louver"], "floor_ms": cold["floor"],
         "louver_warm_ms": timeit(step, rounds, warmup=2),
         "floor_bytes": floor_bytes, "dense_bytes": dense_bytes,
@@ -146,6 +148,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/results/memory_floor_cpu.json")
+    parser.add_argument("--no-huge-pages", action="store_true", help="keep K/V (both sides) on 4 KiB pages")
     args = parser.parse_args()
     ops = touch_ops()
     trace = load_trace(args.trace)
@@ -154,7 +157,8 @@ def main() -> None:
     cases = []
     for layer in args.layers:
         for index_kw in indexes:
-            case = run_case(trace, layer, args.batch, index_kw, args.budget, args.rounds, ops)
+            case = run_case(trace, layer, args.batch, index_kw, args.budget, args.rounds, ops,
+                            huge_pages=not args.no_huge_pages)
             cases.append(case)
             print(f"layer {layer} {index_kw}: dense {case['dense_ms']:.3f} ms, louver {case['louver_ms']:.3f} ms "
                   f"({case['speedup']:.2f}x), floor {case['floor_ms']:.3f} ms ({case['speedup_at_floor']:.2f}x), "

@@ -56,7 +56,7 @@ class Workload:
         """The batch of ``case`` paged at ``config.page_size`` and its index in ``config``'s layout."""
         bkey = (case.name, config.page_size)
         batch = self._cached(self._batches, bkey, lambda: self.target.place(
-            paged_batch(case.trace, case.layer, case.batch, config.page_size, self.kv_dtype)))
+            paged_batch(case.trace, case.layer, case.batch, config.page_size, self.kv_dtype, huge_pages=True)))
         skey = bkey + tuple(getattr(config, f) for f in LAYOUT_FIELDS)
         store = self._cached(self._stores, skey, lambda: self._build(batch, config))
         return batch, store

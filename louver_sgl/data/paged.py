@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import huge_zeros
 from .capture import load_trace
 
 __all__ = ["PagedBatch", "load_trace", "paged_batch"]
@@ -24,19 +25,22 @@ class PagedBatch:
     sigma: float
 
 
-def paged_batch(trace: dict, layer: int, batch: int, page_size: int, dtype=torch.float16) -> PagedBatch:
+def paged_batch(trace: dict, layer: int, batch: int, page_size: int, dtype=torch.float16,
+                huge_pages: bool = False) -> PagedBatch:
     """Request b decodes the trace's b-th captured query over its own copy of the keys it sees.
 
     Each request gets its own pages (as separate requests would in a KV pool); the page order is
-    shuffled so that nothing relies on contiguity.
+    shuffled so that nothing relies on contiguity. ``huge_pages``: the K/V pool lies on
+    transparent huge pages, as the louver server's pool does (``louver_sgl.memory``).
     """
     keys, values = trace["keys"][layer], trace["values"][layer]
     queries, positions = trace["queries"][layer], trace["query_positions"]
     lens = [int(positions[b % len(positions)]) + 1 for b in range(batch)]
     pages_per = (max(lens) + page_size - 1) // page_size
     total = pages_per * batch
-    k = torch.zeros(total * page_size, *keys.shape[1:], dtype=dtype)
-    v = torch.zeros_like(k)
+    shape = (total * page_size, *keys.shape[1:])
+    zeros = huge_zeros if huge_pages else (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    k, v = zeros(shape, dtype), zeros(shape, dtype)
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(0)).view(batch, pages_per)
     for b, n in enumerate(lens):
         pos = torch.arange(n)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LouverConfig
+from ..memory import huge_zeros
 from . import clustered, grid
 
 
@@ -133,22 +134,23 @@ class PageIndexStore:
 def _allocate(
     cfg: LouverConfig, pages: int, heads: int, dim: int, dtype: torch.dtype, device
 ) -> dict[str, torch.Tensor]:
+    # huge_zeros: on CPU a step reads a page's codes at a random place in these buffers (TLB misses)
     slots = pages * cfg.page_size
     if cfg.family == "grid":
         per_page = (pages, heads, dim)
         return {
-            "lo": torch.zeros(per_page, dtype=dtype, device=device),
-            "scale": torch.zeros(per_page, dtype=dtype, device=device),
-            "radius": torch.zeros(per_page, dtype=dtype, device=device),
-            "codes": torch.zeros((slots, heads, dim * cfg.grid_bits // 8), dtype=torch.uint8, device=device),
+            "lo": huge_zeros(per_page, dtype, device),
+            "scale": huge_zeros(per_page, dtype, device),
+            "radius": huge_zeros(per_page, dtype, device),
+            "codes": huge_zeros((slots, heads, dim * cfg.grid_bits // 8), torch.uint8, device),
         }
     n_sub, clusters = cfg.n_subspaces, cfg.page_size // cfg.cluster_size
     width = dim // n_sub
     out = {
-        "centers": torch.zeros((pages, heads, n_sub, clusters, width), dtype=dtype, device=device),
-        "radius": torch.zeros((pages, heads, n_sub, clusters), dtype=torch.float32, device=device),
-        "codes": torch.zeros((slots, heads, n_sub), dtype=torch.uint8, device=device),
+        "centers": huge_zeros((pages, heads, n_sub, clusters, width), dtype, device),
+        "radius": huge_zeros((pages, heads, n_sub, clusters), torch.float32, device),
+        "codes": huge_zeros((slots, heads, n_sub), torch.uint8, device),
     }
     if cfg.residual_norms:
-        out["residual"] = torch.zeros((slots, heads, n_sub), dtype=dtype, device=device)
+        out["residual"] = huge_zeros((slots, heads, n_sub), dtype, device)
     return out

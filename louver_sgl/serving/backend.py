@@ -16,6 +16,7 @@ so SGLang's decode CUDA graphs capture them (graph hooks below).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..index.store import PageIndexStore
+from ..memory import advise_huge_pages
 from ..decode import louver_decode
 from ..decode.plan import plan_decode
 from ..profiles import Shapes
@@ -59,6 +61,8 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)))
         self._log_memory_estimate()
+        if serving.huge_pages:
+            self._pool_on_huge_pages()
         self.cuda_path = self._make_cuda_path(model_runner)
 
     def _resolve_options(self, model_runner):
@@ -72,6 +76,19 @@ class LouverAttnBackend(TorchNativeAttnBackend):
         logger.info("%s", selection.message)
         self.selection = selection
         return config, serving
+
+    def _pool_on_huge_pages(self) -> None:
+        """Move a CPU KV pool's K/V buffers onto transparent huge pages (no-op elsewhere)."""
+        pool = self.token_to_kv_pool
+        first = self._first_layer()
+        if pool.get_key_buffer(first).device.type != "cpu":
+            return
+        start, moved = time.perf_counter(), 0
+        for layer in range(first, first + int(pool.layer_num)):
+            for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+                moved += advise_huge_pages(buffer)
+        logger.info("louver: %.1f MiB of the KV pool on huge pages (%.1f s)", moved / 2**20,
+                    time.perf_counter() - start)
 
     def _make_cuda_path(self, model_runner):
         """The graph-safe Triton decode path on CUDA devices; None on CPU."""

@@ -32,6 +32,9 @@ class ServingOptions:
     chunk_pages: pages per split of the compiled CPU kernel (a launch parameter).
     num_threads: torch threads of the CPU decode step (a launch parameter; 0: leave torch's count).
     log_interval: decode steps between telemetry log lines (0: SGLang's decode-log interval).
+    huge_pages: move a CPU KV pool onto transparent huge pages at startup (~4 ms per MiB, once;
+        the index always asks for them). The step reads rows scattered over the pool, and with
+        4 KiB pages nearly each read also misses the TLB (``louver_sgl.memory``).
 
     Launch parameters of tuned profiles are fields of this class.
     """
@@ -39,6 +42,7 @@ class ServingOptions:
     chunk_pages: int = 64
     num_threads: int = 0
     log_interval: int = 0
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
@@ -47,6 +51,8 @@ class ServingOptions:
             raise ValueError(f"num_threads must be a non-negative int, got {self.num_threads!r}")
         if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
             raise ValueError(f"log_interval must be a non-negative int, got {self.log_interval!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
 
 
 def load_options(environ: Mapping[str, str] | None = None,

@@ -77,6 +77,9 @@ def test_options_from_env_and_json(tmp_path, monkeypatch):
     path.write_text(json.dumps({"policy": "budget", "budget": 0.05, "chunk_pages": 8}))
     config, serving = load_options({"LOUVER_CONFIG": str(path), "LOUVER_BUDGET": "0.2", "LOUVER_VALUE_GATE": "0"})
     assert (config.policy, config.budget, config.value_gate, serving.chunk_pages) == ("budget", 0.2, False, 8)
+    assert serving.huge_pages and not load_options({"LOUVER_HUGE_PAGES": "0"})[1].huge_pages
+    with pytest.raises(ValueError, match="LOUVER_HUGE_PAGES"):
+        load_options({"LOUVER_HUGE_PAGES": "sometimes"})
     with pytest.raises(ValueError, match="LOUVER_GRID_BITS"):
         load_options({"LOUVER_GRID_BITS": "four"})
     with pytest.raises(ValueError, match="unknown louver options"):
