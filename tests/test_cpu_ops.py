@@ -99,6 +99,45 @@ def test_step_stats_match_torch(own_dropped):
     assert float(got[0][0, 0]) != 7.0
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_fused_decode_is_fused_step_then_step_stats(q_dtype, given_out):
+    """The one-call step equals fused_step followed by the statistics' specification, its output
+    in q's dtype (new or the caller's buffer); a request over the fallback fraction is flagged."""
+    from louver_sgl import PageIndexStore
+    from louver_sgl.decode.fused import _Outputs, page_chunks
+
+    cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=40)
+    k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=9, dtype=torch.float16)
+    q = (torch.randn(len(LENS), 6, 64, generator=torch.Generator().manual_seed(10)) * 2).to(q_dtype)
+    plan = plan_decode(table, lens, cfg)
+    store = PageIndexStore(cfg, len(k) // 16, 2, 64, torch.float16)
+    store.build_pages(k, torch.arange(store.num_pages))
+    index = tuple(store.tensors[n] for n in ("lo", "scale", "radius", "codes"))
+    chunks = page_chunks(plan, 3)
+
+    def scratch():
+        return _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
+
+    def inputs(part):
+        return (k, v, *index, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
+                *chunks, 0.125, 0.1, 0.0, True, 4, 16, *part.exact, part.t, part.gate, *part.attend, part.result,
+                *part.totals)
+
+    a, b = scratch(), scratch()
+    OPS.fused_step(q.float().contiguous(), *inputs(a))
+    want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
+                                          plan.num_indexed, 0.02, 2)
+    out = torch.full((len(LENS), 6, 64), float("nan"), dtype=q_dtype) if given_out else None
+    got_out, *got, got_any = OPS.fused_decode(q, *inputs(b), plan.num_indexed, 0.02, out)
+    assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
+    assert torch.equal(got_out, a.result.to(q_dtype))
+    assert got_any is want_any is True  # 2 % of the indexed keys: the long requests fall back
+    counts = want[5]
+    for g, w in zip(got, [*want[:5], counts[:, 0], counts[:, 1], counts[:, 2]]):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 def test_fp32_exp_error_bound_holds_for_every_input():
     """The candidate masses rest on exp_ps16's error bound: checked for every fp32 x whose e^x is
     a normal fp32 (the kernels clamp to [-87, 88] where a bound depends on it)."""

@@ -204,13 +204,17 @@ def test_dense_fallback_above_fraction():
     torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
 
 
-def test_caller_owned_output_buffer():
-    """``out=`` is written in place and returned."""
-    cfg = LouverConfig(page_size=16)
-    q, k, v, table, lens, store = _setup(cfg)
-    buf = torch.empty(len(lens), q.shape[1], 64)
+@pytest.mark.parametrize("policy", ["certified", "budget"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_caller_owned_output_buffer(policy, dtype):
+    """``out=`` is written in place and returned, with what a new output would hold."""
+    cfg = LouverConfig(page_size=16, policy=policy, budget=0.1, sample_size=32)
+    q, k, v, table, lens, store = _setup(cfg, dtype=dtype)
+    want, _ = louver_decode(q, k, v, table, lens, store, 0.125)
+    buf = torch.full((len(lens), q.shape[1], 64), float("nan"), dtype=dtype)
     out, _ = louver_decode(q, k, v, table, lens, store, 0.125, out=buf)
-    assert out.data_ptr() == buf.data_ptr()
+    assert out.data_ptr() == buf.data_ptr() and out.dtype == want.dtype == dtype
+    assert torch.equal(out, want)
 
 
 def test_shared_plan_gives_the_same_step_and_a_wrong_plan_is_rejected():

@@ -13,4 +13,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_stats", &step_stats, "Louver step statistics from the compiled step's totals (CPU)");
   m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)");
   m.def("fused_step", &fused_step, "Louver decode step of the sample-threshold policies in one call (CPU)");
+  m.def("fused_decode", &fused_decode, "Louver fused_step with its statistics and output in one call (CPU)");
 }

@@ -70,3 +70,38 @@ void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
   });
   chunk_totals_into(counts, mass, chunk_req, per_head, per_req, masses);
 }
+
+// fused_step, then the step statistics (step_stats) and the output in the caller's dtype, in one
+// call. After a layer has swept the caches each Python-level op of a step's host work costs tens
+// of microseconds (the interpreter's and torch's own code and data come back from memory), so at
+// batch 1 three ops and the glue between them were a sixth of a 32K step.
+// Inputs as fused_step (its outputs are the caller-owned scratch buffers), plus num_indexed [B]
+// i64 and fallback_fraction as step_stats, and out: [B, H_q, Dv] in any float dtype, or None for
+// a new tensor in q's dtype (q may be any float dtype: the step runs on its fp32 copy). Returns (out, then step_stats' threshold, candidates, pages_skipped,
+// mass_bound, dense_fallback, then counts split into union_candidates, values_read, pages_read
+// [B] i64, and whether any request falls back to dense; out then still holds the sparse result
+// for it).
+FusedDecodeResult fused_decode(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo, torch::Tensor scale,
+    torch::Tensor radius, torch::Tensor codes, torch::Tensor dense_slots, torch::Tensor dense_req,
+    torch::Tensor sample_slots, torch::Tensor sample_req, torch::Tensor page_ids, torch::Tensor chunk_req,
+    torch::Tensor chunk_begin, torch::Tensor chunk_end, double sigma, double budget, double t_fixed, bool value_gate,
+    int64_t bits, int64_t page_size, torch::Tensor s_dense, torch::Tensor sample, torch::Tensor ref, torch::Tensor z,
+    torch::Tensor t, torch::Tensor gate, torch::Tensor m_out, torch::Tensor l_out, torch::Tensor o_out,
+    torch::Tensor counts, torch::Tensor mass, torch::Tensor result, torch::Tensor per_head, torch::Tensor per_req,
+    torch::Tensor masses, torch::Tensor num_indexed, double fallback_fraction, std::optional<torch::Tensor> out) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
+              "fused_decode: q, the KV caches and the index must be CPU tensors");
+  if (out.has_value())
+    TORCH_CHECK(out->sizes() == result.sizes(), "fused_decode: out must be [B, H_q, Dv] like the result");
+  const torch::Tensor q32 = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
+  fused_step(q32, k_cache, v_cache, lo, scale, radius, codes, dense_slots, dense_req, sample_slots, sample_req, page_ids,
+             chunk_req, chunk_begin, chunk_end, sigma, budget, t_fixed, value_gate, bits, page_size, s_dense, sample, ref,
+             z, t, gate, m_out, l_out, o_out, counts, mass, result, per_head, per_req, masses);
+  auto [threshold, candidates, skipped, bound, fallback, totals, any] =
+      step_stats(t, z, per_head, per_req, masses, torch::empty({0}, z.options()), num_indexed, fallback_fraction,
+                 k_cache.size(1));
+  torch::Tensor dest = out.has_value() ? out->copy_(result) : result.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  return {dest, threshold, candidates, skipped, bound, fallback,
+          totals.select(1, 0), totals.select(1, 1), totals.select(1, 2), any};
+}

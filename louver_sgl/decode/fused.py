@@ -4,12 +4,15 @@ The compiled attend pass does, per (request, chunk of pages) task and for every 
 bounds, token bounds, the GQA-union candidate gate, exact scores from candidate keys, the value
 gate, an online softmax and the dropped-mass accounting; the chunks' partial softmax states are
 then merged with the dense part. Budget, fixed and dense steps run all of it (exact part and T
-included) as one call, ``fused_step``; certified steps first run the compiled bound passes over
-every page to choose T (they need the histogram of all token bounds), then the same phases as ops.
+included), the step statistics and the output conversion as one call, ``fused_decode``
+(``fused_step`` + ``step_stats``); certified steps first run the compiled bound passes over every
+page to choose T (they need the histogram of all token bounds), then the same phases as ops.
 Every compiled phase has its torch specification here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -57,14 +60,14 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
                      config: LouverConfig, ops, chunk_pages: int, out=None):
     """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
 
-    Budget, fixed and dense steps are one compiled call (``fused_step``); certified steps run the
-    exact part, the bound passes that choose T, then the attend, merge and totals ops. The task
+    Budget, fixed and dense steps are one compiled call (``fused_decode``: ``fused_step``, the
+    statistics and the output); certified steps run the exact part, the bound passes that choose
+    T, then the attend, merge, totals and statistics ops. The task
     list and the output buffers come from the plan (made once per forward pass, reused by every
     layer): at batch 1 the step's own host work is a large share of its time.
     """
     batch, heads, _ = q.shape
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
-    q32 = q.to(torch.float32).contiguous()
     threads = torch.get_num_threads()
     chunk_req, begin, end = plan.cached(("cpu_chunks", chunk_pages, threads), lambda: page_chunks(plan, chunk_pages))
     part = plan.cached(("cpu_outputs", chunk_pages, threads, heads, h_kv, d_v, config.sample_size),
@@ -72,27 +75,19 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
                                         config.sample_size))
     meta = store.tensors
     index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
-    index_dropped = None
-    if config.policy == "certified":
-        ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
-        t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops)
-        part.gate.fill_(float("-inf"))  # certified steps attend every candidate
-        ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, part.gate, ex.ref,
-                               float(sigma), store.config.grid_bits, store.page_size, *part.attend)
-        ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
-                         float(sigma), part.result)
-        ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
-    else:
-        static = th.static_threshold(config, 1, 1)
-        t_fixed = float(static[0, 0]) if static is not None else 0.0
-        budget = config.budget if config.policy == "budget" else -1.0
-        ops.fused_step(q32, k_cache, v_cache, *index, plan.dense_slots, plan.dense_req, plan.sample_slots,
-                       plan.sample_req, plan.page_ids, chunk_req, begin, end, float(sigma), float(budget), t_fixed,
-                       gates_values(config), store.config.grid_bits, store.page_size, *part.exact, part.t, part.gate,
-                       *part.attend, part.result, *part.totals)
-        t = part.t
-    dropped = index_dropped if index_dropped is not None else torch.empty(0, dtype=torch.float64)
-    *fields, any_fallback = ops.step_stats(t, part.z, *part.totals, dropped, plan.num_indexed,
+    if config.policy != "certified":
+        return _run_one_call(q, k_cache, v_cache, index, plan, store, sigma, config, ops, (chunk_req, begin, end),
+                             part, out)
+    q32 = q.to(torch.float32).contiguous()
+    ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
+    t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops)
+    part.gate.fill_(float("-inf"))  # certified steps attend every candidate
+    ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, part.gate, ex.ref,
+                           float(sigma), store.config.grid_bits, store.page_size, *part.attend)
+    ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
+                     float(sigma), part.result)
+    ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
+    *fields, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
                                            float(config.dense_fallback_fraction), h_kv)
     stats = _step_stats(fields, plan)
     result = part.result
@@ -103,6 +98,27 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     else:
         out.copy_(result)
     return out, stats
+
+
+def _run_one_call(q, k_cache, v_cache, index, plan: DecodePlan, store: PageIndexStore, sigma: float,
+                  config: LouverConfig, ops, chunks, part: "_Outputs", out):
+    """Budget, fixed and dense steps: kernel, statistics and output in one compiled call
+    (``fused_decode``). Few Python-level tensor calls on purpose: once a layer has swept the
+    caches each costs tens of microseconds, and at batch 1 they added up to a sixth of a step."""
+    t_fixed = -math.inf if config.policy == "dense" else float(config.fixed_threshold)  # budget: unused
+    budget = config.budget if config.policy == "budget" else -1.0
+    result, threshold, candidates, skipped, bound, fallback, union, values, pages, any_fallback = ops.fused_decode(
+        q, k_cache, v_cache, *index, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
+        plan.page_ids, *chunks, float(sigma), float(budget), t_fixed, gates_values(config), store.config.grid_bits,
+        store.page_size, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals, plan.num_indexed,
+        float(config.dense_fallback_fraction), out)
+    stats = StepStats(threshold=threshold, candidates=candidates, pages_skipped=skipped, mass_bound=bound,
+                      num_indexed=plan.num_indexed, num_pages=plan.num_pages, dense_fallback=fallback,
+                      values_read=values, union_candidates=union, pages_read=pages)
+    if any_fallback:
+        q32 = q.to(torch.float32).contiguous()
+        result.copy_(_dense_for(fallback, part.result, q32, k_cache, v_cache, plan, sigma))
+    return result, stats
 
 
 def _step_stats(fields, plan: DecodePlan) -> StepStats:

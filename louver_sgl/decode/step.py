@@ -10,6 +10,7 @@ Requests whose candidate fraction exceeds ``dense_fallback_fraction`` run dense 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,30 +84,37 @@ def louver_decode(
     elif plan.page_size != config.page_size or plan.batch_size != q.shape[0]:
         raise ValueError(f"plan is for page size {plan.page_size} and {plan.batch_size} requests, the step for "
                          f"page size {config.page_size} and {q.shape[0]}")
-    ops = _cpu_ops(backend, store, q)
-    if ops is not None:
-        from .fused import run_decode_fused
-
+    compiled = _cpu_ops(backend, store, q)
+    if compiled is not None:
+        ops, run_decode_fused = compiled
         return run_decode_fused(q, k_cache, v_cache, plan, store, sigma, config, ops, chunk_pages, out)
     return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
 
 
 def _cpu_ops(backend: str, store: PageIndexStore, q: torch.Tensor):
-    """The compiled CPU ops if ``backend`` asks for them (or allows them) and they apply."""
+    """(compiled CPU module, fused step) if ``backend`` asks for them (or allows them) and they apply."""
     if backend not in ("auto", "torch", "cpp"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpp', got {backend!r}")
-    applies = store.config.family == "grid" and q.device.type == "cpu"
+    applies = store.config.family == "grid" and store.on_cpu  # the kernel checks q's device
     if backend == "torch" or (backend == "auto" and not applies):
         return None
     if not applies:
         raise ValueError("the compiled CPU kernel supports the grid family on CPU tensors only")
+    ops = _compiled_ops()
+    if ops is None and backend == "cpp":
+        raise RuntimeError("the compiled CPU kernel failed to build or load (see the log)")
+    return ops
+
+
+@functools.cache
+def _compiled_ops():
+    """The compiled CPU module and the fused step's entry point, or None if the module does not
+    build here (resolved once: an import statement per layer call is measurable at batch 1)."""
     from louver_kernels.cpu_ops import cpu_ops_available, load_cpu_ops
 
-    if cpu_ops_available():
-        return load_cpu_ops()
-    if backend == "cpp":
-        raise RuntimeError("the compiled CPU kernel failed to build or load (see the log)")
-    return None
+    from .fused import run_decode_fused
+
+    return (load_cpu_ops(), run_decode_fused) if cpu_ops_available() else None
 
 
 def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None):
@@ -303,15 +311,19 @@ def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, b
 
 
 def _check_inputs(q, k_cache, v_cache, store: PageIndexStore, config: LouverConfig) -> None:
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+    # Few tensor calls on purpose: this runs for every layer, where each call into torch costs
+    # microseconds once the layer's attention has swept the caches.
+    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
+    if len(qs) != 3 or len(ks) != 3 or len(vs) != 3:
         raise ValueError(
-            f"q must be [B, H_q, D] and k/v caches [slots, H_kv, D]; got {tuple(q.shape)}, "
-            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            f"q must be [B, H_q, D] and k/v caches [slots, H_kv, D]; got {tuple(qs)}, {tuple(ks)}, {tuple(vs)}"
         )
-    if k_cache.shape[:2] != v_cache.shape[:2] or k_cache.shape[1:] != (store.num_kv_heads, store.head_dim):
+    if ks[:2] != vs[:2] or ks[1:] != (store.num_kv_heads, store.head_dim):
         raise ValueError("k/v caches do not match each other or the index (H_kv, D)")
-    if q.shape[2] != store.head_dim or q.shape[1] % store.num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not match H_kv={store.num_kv_heads}, D={store.head_dim}")
-    layout = ("page_size", "family", "grid_bits", "n_subspaces", "cluster_size", "residual_norms")
-    if any(getattr(config, f) != getattr(store.config, f) for f in layout):
+    if qs[2] != store.head_dim or qs[1] % store.num_kv_heads:
+        raise ValueError(f"q {tuple(qs)} does not match H_kv={store.num_kv_heads}, D={store.head_dim}")
+    if config is not store.config and any(getattr(config, f) != getattr(store.config, f) for f in _LAYOUT):
         raise ValueError("config index layout differs from the store's; rebuild the index")
+
+
+_LAYOUT = ("page_size", "family", "grid_bits", "n_subspaces", "cluster_size", "residual_norms")

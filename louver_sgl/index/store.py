@@ -53,6 +53,7 @@ class PageIndexStore:
         self.config = config
         self.num_pages, self.num_kv_heads, self.head_dim = num_pages, num_kv_heads, head_dim
         self.kv_dtype = kv_dtype
+        self.on_cpu = torch.device(device).type == "cpu"
         self.tensors = _allocate(config, num_pages, num_kv_heads, head_dim, kv_dtype, device)
 
     @property
