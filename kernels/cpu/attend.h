@@ -383,7 +383,7 @@ void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64
     int64_t p = 0;
     if (vnni) {
       for (; p + 16 <= P; p += 16) {
-        if (next) prefetch_bytes(next + p / 16 * block16, block16);
+        if (next) prefetch_bytes_l2(next + p / 16 * block16, block16);
         for (auto& r : runners)
           if (r.open) r.scan_block16(first, p);
       }

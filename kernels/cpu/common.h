@@ -472,6 +472,13 @@ inline void prefetch_bytes(const void* start, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+// The same into L2 only: for the next page's codes, a page of work ahead. Into L1 they competed
+// with the current page's candidate rows for the few L1 miss buffers (5-8 % slower cold steps).
+inline void prefetch_bytes_l2(const void* start, int64_t n) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
 // [start, end) of each request's rows in a request-sorted row list req [n] -> bounds [B + 1].
 inline std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_t B) {
   std::vector<int64_t> bounds(B + 1, n);
