@@ -65,11 +65,18 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros`` whose CPU memory is faulted in on huge pages where it is large enough."""
+    """``torch.zeros`` whose CPU memory lies on huge pages where it is large enough.
+
+    Fresh memory is faulted in on huge pages by the zeroing; memory the allocator recycles was
+    already faulted on 4 KiB pages, so it is collapsed afterwards (a no-op for huge pages)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if out.numel() * out.element_size() >= 2 * HUGE_PAGE_BYTES:
+    big = out.numel() * out.element_size() >= 2 * HUGE_PAGE_BYTES
+    if big:
         advise_huge_pages(out, collapse=False)
-    return out.zero_()
+    out.zero_()
+    if big:
+        advise_huge_pages(out, collapse=True)
+    return out
 
 
 def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
