@@ -10,6 +10,7 @@ machine. Linux only; everywhere else, and whenever the kernel refuses, the calls
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ _MADV_COLLAPSE = 25  # Linux >= 6.1: synchronous collapse of already-faulted mem
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.cache
 def huge_pages_available() -> bool:
     """Whether this process can ask for transparent huge pages (Linux, THP not ``never``)."""
     if not sys.platform.startswith("linux"):
@@ -34,10 +36,15 @@ def huge_pages_available() -> bool:
         return False
 
 
-def _madvise(start: int, length: int, advice: int) -> bool:
+@functools.cache
+def _libc_madvise():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(start, length, advice) == 0:
+    return libc.madvise
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    if _libc_madvise()(start, length, advice) == 0:
         return True
     logger.debug("madvise(%#x, %d, %d) failed: errno %d", start, length, advice, ctypes.get_errno())
     return False

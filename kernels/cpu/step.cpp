@@ -75,12 +75,12 @@ void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
 // call. After a layer has swept the caches each Python-level op of a step's host work costs tens
 // of microseconds (the interpreter's and torch's own code and data come back from memory), so at
 // batch 1 three ops and the glue between them were a sixth of a 32K step.
-// Inputs as fused_step (its outputs are the caller-owned scratch buffers), plus num_indexed [B]
-// i64 and fallback_fraction as step_stats, and out: [B, H_q, Dv] in any float dtype, or None for
-// a new tensor in q's dtype (q may be any float dtype: the step runs on its fp32 copy). Returns (out, then step_stats' threshold, candidates, pages_skipped,
-// mass_bound, dense_fallback, then counts split into union_candidates, values_read, pages_read
-// [B] i64, and whether any request falls back to dense; out then still holds the sparse result
-// for it).
+// Inputs as fused_step (its outputs are the caller-owned scratch buffers; q may be any float
+// dtype, the step runs on its fp32 copy), plus num_indexed [B] i64 and fallback_fraction as
+// step_stats, and out: [B, H_q, Dv] in any float dtype, or None for a new tensor in q's dtype.
+// Returns (out, then step_stats' threshold, candidates, pages_skipped, mass_bound,
+// dense_fallback, then its counts split into union_candidates, values_read, pages_read [B] i64,
+// and whether any request falls back to dense; out then still holds the sparse result for it).
 FusedDecodeResult fused_decode(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo, torch::Tensor scale,
     torch::Tensor radius, torch::Tensor codes, torch::Tensor dense_slots, torch::Tensor dense_req,
@@ -95,13 +95,14 @@ FusedDecodeResult fused_decode(
   if (out.has_value())
     TORCH_CHECK(out->sizes() == result.sizes(), "fused_decode: out must be [B, H_q, Dv] like the result");
   const torch::Tensor q32 = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
-  fused_step(q32, k_cache, v_cache, lo, scale, radius, codes, dense_slots, dense_req, sample_slots, sample_req, page_ids,
-             chunk_req, chunk_begin, chunk_end, sigma, budget, t_fixed, value_gate, bits, page_size, s_dense, sample, ref,
-             z, t, gate, m_out, l_out, o_out, counts, mass, result, per_head, per_req, masses);
+  fused_step(q32, k_cache, v_cache, lo, scale, radius, codes, dense_slots, dense_req, sample_slots, sample_req,
+             page_ids, chunk_req, chunk_begin, chunk_end, sigma, budget, t_fixed, value_gate, bits, page_size, s_dense,
+             sample, ref, z, t, gate, m_out, l_out, o_out, counts, mass, result, per_head, per_req, masses);
   auto [threshold, candidates, skipped, bound, fallback, totals, any] =
       step_stats(t, z, per_head, per_req, masses, torch::empty({0}, z.options()), num_indexed, fallback_fraction,
                  k_cache.size(1));
-  torch::Tensor dest = out.has_value() ? out->copy_(result) : result.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  torch::Tensor dest =
+      out.has_value() ? out->copy_(result) : result.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   return {dest, threshold, candidates, skipped, bound, fallback,
           totals.select(1, 0), totals.select(1, 1), totals.select(1, 2), any};
 }

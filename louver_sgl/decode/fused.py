@@ -12,8 +12,6 @@ Every compiled phase has its torch specification here or in step.py / threshold.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..config import LouverConfig
@@ -87,9 +85,9 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
                      float(sigma), part.result)
     ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
-    *fields, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
-                                           float(config.dense_fallback_fraction), h_kv)
-    stats = _step_stats(fields, plan)
+    *fields, counts, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
+                                                   float(config.dense_fallback_fraction), h_kv)
+    stats = _step_stats(*fields, counts[:, 0], counts[:, 1], counts[:, 2], plan=plan)
     result = part.result
     if any_fallback:
         result = _dense_for(stats.dense_fallback, result, q32, k_cache, v_cache, plan, sigma)
@@ -105,27 +103,28 @@ def _run_one_call(q, k_cache, v_cache, index, plan: DecodePlan, store: PageIndex
     """Budget, fixed and dense steps: kernel, statistics and output in one compiled call
     (``fused_decode``). Few Python-level tensor calls on purpose: once a layer has swept the
     caches each costs tens of microseconds, and at batch 1 they added up to a sixth of a step."""
-    t_fixed = -math.inf if config.policy == "dense" else float(config.fixed_threshold)  # budget: unused
+    t_static = th.static_threshold_value(config)
+    t_fixed = 0.0 if t_static is None else t_static  # budget: unused
     budget = config.budget if config.policy == "budget" else -1.0
-    result, threshold, candidates, skipped, bound, fallback, union, values, pages, any_fallback = ops.fused_decode(
+    result, *fields, any_fallback = ops.fused_decode(
         q, k_cache, v_cache, *index, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
         plan.page_ids, *chunks, float(sigma), float(budget), t_fixed, gates_values(config), store.config.grid_bits,
         store.page_size, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals, plan.num_indexed,
         float(config.dense_fallback_fraction), out)
-    stats = StepStats(threshold=threshold, candidates=candidates, pages_skipped=skipped, mass_bound=bound,
-                      num_indexed=plan.num_indexed, num_pages=plan.num_pages, dense_fallback=fallback,
-                      values_read=values, union_candidates=union, pages_read=pages)
+    stats = _step_stats(*fields, plan=plan)
     if any_fallback:
         q32 = q.to(torch.float32).contiguous()
-        result.copy_(_dense_for(fallback, part.result, q32, k_cache, v_cache, plan, sigma))
+        result.copy_(_dense_for(stats.dense_fallback, part.result, q32, k_cache, v_cache, plan, sigma))
     return result, stats
 
 
-def _step_stats(fields, plan: DecodePlan) -> StepStats:
-    threshold, candidates, skipped, bound, fallback, counts = fields
+def _step_stats(threshold, candidates, skipped, bound, fallback, union, values, pages, *,
+                plan: DecodePlan) -> StepStats:
+    """StepStats from the compiled statistics (counts split into union candidates, values read
+    and pages read ``[B]``)."""
     return StepStats(threshold=threshold, candidates=candidates, pages_skipped=skipped, mass_bound=bound,
                      num_indexed=plan.num_indexed, num_pages=plan.num_pages, dense_fallback=fallback,
-                     values_read=counts[:, 1], union_candidates=counts[:, 0], pages_read=counts[:, 2])
+                     values_read=values, union_candidates=union, pages_read=pages)
 
 
 def step_stats_reference(t, z, per_head, per_req, masses, index_dropped, num_indexed, fallback_fraction, h_kv):

@@ -80,10 +80,17 @@ def gate_threshold(t: torch.Tensor) -> torch.Tensor:
     return t - 1e-4 * (t.abs() + 1.0)
 
 
-def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:
+def static_threshold_value(config: LouverConfig) -> float | None:
     """T for the policies that need no data (fixed, dense); None otherwise."""
     if config.policy == "dense":
-        return torch.full((batch, heads), -math.inf)
+        return -math.inf
     if config.policy == "fixed":
-        return torch.full((batch, heads), float(config.fixed_threshold))
+        return float(config.fixed_threshold)
     return None
+
+
+def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:
+    """``static_threshold_value`` for every (request, head) ``[B, H_q]`` fp32; None if the
+    policy's T needs data."""
+    value = static_threshold_value(config)
+    return None if value is None else torch.full((batch, heads), value)
