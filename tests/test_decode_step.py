@@ -92,14 +92,16 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
         assert bool((stats.candidates == ref_count).all())
 
 
-@pytest.mark.parametrize("page_size,dim,groups", [(8, 64, 3), (32, 128, 2), (64, 64, 8), (16, 96, 3), (16, 40, 2)])
+@pytest.mark.parametrize("page_size,dim,groups,bits", [(8, 64, 3, 8), (32, 128, 2, 8), (64, 64, 8, 8), (16, 96, 3, 8),
+                                                       (16, 40, 2, 8), (16, 64, 3, 4), (32, 128, 2, 4), (8, 64, 3, 4)])
 @pytest.mark.parametrize("policy", ["budget", "fixed"])
-def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, policy):
-    """The compiled kernel's 16-token blocks, its per-token path (pages of 8; D = 96 has no VNNI
-    scan), D = 128, 8-head groups and the scalar candidate scoring (D = 40, not a multiple of 16)
-    give the reference's threshold, candidate counts and output."""
-    cfg = LouverConfig(page_size=page_size, policy=policy, budget=0.1, fixed_threshold=4.0, sample_size=32,
-                       dense_fallback_fraction=1.0)
+def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, bits, policy):
+    """The compiled kernel's 16-token blocks (8-bit codes, and 4-bit ones transposed while packed),
+    its per-token path (pages of 8; D = 96 has no VNNI scan), D = 128, 8-head groups and the
+    scalar candidate scoring (D = 40, not a multiple of 16) give the reference's threshold,
+    candidate counts and output."""
+    cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy=policy, budget=0.1, fixed_threshold=4.0,
+                       sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, lens=[300, 700, 129], dim=dim, groups=groups, seed=3)
     sigma = 1 / math.sqrt(dim)
     out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp", chunk_pages=2)
@@ -107,6 +109,23 @@ def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, policy)
     torch.testing.assert_close(stats.threshold, torch.stack([i["threshold"] for i in info]), atol=1e-4, rtol=1e-5)
     ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
     assert bool((stats.candidates == ref_count).all())
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy,budget", [("dense", 0.1), ("budget", 0.8)])
+def test_compiled_kernel_scores_candidates_in_batches_across_pages(policy, budget):
+    """Chunks whose candidates exceed one scoring batch (512 rows; here every key or most of them,
+    and the first chunks take 12 pages of 64) are scored and attended in several batches, the
+    softmax state carried between them: the reference's threshold, counts and output."""
+    cfg = LouverConfig(page_size=64, policy=policy, budget=budget, sample_size=64, dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, lens=[2000, 1100], seed=11)
+    sigma = 1 / math.sqrt(64)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp", chunk_pages=16)
+    ref, info = reference_decode(q, k, v, table, lens, store, sigma)
+    torch.testing.assert_close(stats.threshold, torch.stack([i["threshold"] for i in info]), atol=1e-4, rtol=1e-5)
+    ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
+    assert bool((stats.candidates == ref_count).all())
+    assert int(ref_count.max()) > 512  # more than one batch
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 

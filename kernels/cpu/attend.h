@@ -41,18 +41,23 @@ inline double rel_mass(float sigma, float x, float ref) {
   return std::exp(std::min(700.0, double(sigma) * (double(x) - double(ref))));
 }
 
+constexpr int64_t kBatchRows = 512;  // candidates per scored batch (ChunkRunner::batch_capacity)
+constexpr int64_t kKeyAhead = 32;    // candidate K rows fetched ahead of scoring
+constexpr int64_t kValueAhead = 8;   // V rows fetched ahead of the accumulation
+
 template <typename KV>
 struct ChunkRunner {
   const AttendArgs& a;
   const KV *kc, *vc, *lo, *sc, *rad;
   int64_t b, k, head0;
   bool open = false, vector_scores;
+  int64_t cap;  // batch capacity; declared before the buffers sized by it
   std::vector<float> buf, acc, w, off, pb, step, drop_max, book, rows16, score, weight;
-  std::vector<int8_t> wq, wsplit;
+  std::vector<int8_t> wq, wsplit, wsplit8;  // int8 weights; nibble_order block 64 and block 8
   std::vector<int32_t> idot;
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
-  std::vector<int64_t> drop_count, cand_slot;
+  std::vector<int64_t> drop_count, cand_slot, value_rows;
   std::vector<char> keep_page;
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
@@ -62,15 +67,21 @@ struct ChunkRunner {
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
         head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
         vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0),
+        cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
         off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups), book(3 * args.dim),
-        rows16(16 * args.dim), score(args.groups * padded(args.page_size)),
-        weight(args.groups * padded(args.page_size)), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
+        rows16(16 * args.dim), score(args.groups * cap), weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
+        wsplit8(args.groups * args.dim),
         idot(args.groups), page_codes(args.page_size * args.dim),
-        attend_bits(args.groups * padded(args.page_size) / 16), need_bits(padded(args.page_size) / 16),
-        drop_count(args.groups), cand_slot(args.page_size), keep_page(args.groups), st(args.groups) {}
+        attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
+        value_rows(cap), keep_page(args.groups), st(args.groups) {}
 
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+  // Candidates are collected over pages and scored in batches of up to this many (at least one
+  // page): each phase then streams through many independent rows with its reads issued well
+  // ahead, instead of a page's few candidates waiting on their rows one page at a time.
+  static int64_t batch_capacity(int64_t page_size) { return padded(std::max<int64_t>(kBatchRows, 2 * page_size)); }
 
   // Start chunk ``chunk`` with the buffers of the previous one (a runner lives for a whole worker:
   // building its two dozen scratch vectors per chunk cost as much as a phase of the step).
@@ -101,14 +112,16 @@ struct ChunkRunner {
     }
     if (!open) return false;
     ++n_pages_read;
-    n_cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
     }
     if (vnni_scan()) {
-      for (int64_t g = 0; g < G; ++g) nibble_order64(wq.data() + g * D, a.bits, D, wsplit.data() + g * D);
+      for (int64_t g = 0; g < G; ++g) {
+        nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
+        if (a.bits == 4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
+      }
     }
     return true;
   }
@@ -122,7 +135,12 @@ struct ChunkRunner {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t G = a.groups, stride = a.h_kv * a.bytes;
     __m512i dots[8];
-    dot_block16_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, stride, a.bits, a.dim, wsplit.data(), G, dots);
+    const uint8_t* block = a.codes + ((first + p) * a.h_kv + k) * a.bytes;
+    if (a.bits == 4) {
+      dot_block16_vnni4(block, stride, a.dim, wsplit8.data(), G, dots);
+    } else {
+      dot_block16_vnni(block, stride, a.bits, a.dim, wsplit.data(), G, dots);
+    }
     uint32_t cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
@@ -171,21 +189,27 @@ struct ChunkRunner {
     }
   }
 
-  // Candidates are gathered first and their K rows prefetched, so that the random row reads
-  // overlap instead of stalling one by one.
+  // Candidates are gathered first and their K rows prefetched into L2 (scoring fetches them into
+  // L1 kKeyAhead rows ahead), so that the random row reads overlap instead of stalling one by one.
+  // Into L1 here they competed with the codes for its few miss buffers (5-7 % slower cold steps).
   void add_candidate(int64_t slot) {
     cand_slot[n_cand++] = slot;
-    prefetch_row(kc + (slot * a.h_kv + k) * a.dim, a.dim);
+    prefetch_bytes_l2(kc + (slot * a.h_kv + k) * a.dim, a.dim * static_cast<int64_t>(sizeof(KV)));
   }
 
   static void prefetch_row(const KV* row, int64_t n) { prefetch_bytes(row, n * static_cast<int64_t>(sizeof(KV))); }
 
-  // After the scan of an open page: dropped-mass accounting, exact scores of the candidates
-  // (keys first), the value gate, then V only for the rows some head attends.
-  void finish_page() {
-    const int64_t G = a.groups;
-    for (int64_t g = 0; g < G; ++g)
+  // After the scan of an open page: its dropped-mass accounting. Its candidates join the batch,
+  // which is scored and attended (flush) once another page might not fit or the chunk ends.
+  void end_page() {
+    for (int64_t g = 0; g < a.groups; ++g)
       if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
+    if (n_cand + a.page_size > cap) flush();
+  }
+
+  // Exact scores of the batch's candidates (keys first), the value gate, then V only for the rows
+  // some head attends.
+  void flush() {
     if (n_cand == 0) return;
     n_union += n_cand;
     if (vector_scores) {
@@ -194,12 +218,13 @@ struct ChunkRunner {
       score_candidates();
     }
     attend_candidates();
+    n_cand = 0;
   }
 
   // Exact scores of the candidates [G, n_cand] in ``score``, attend/need flags and the masses
   // of the candidates (per token; the reference for the vector version below).
   void score_candidates() {
-    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    const int64_t G = a.groups, D = a.dim, P16 = cap;
     std::fill(attend_bits.begin(), attend_bits.end(), 0);
     std::fill(need_bits.begin(), need_bits.end(), 0);
     for (int64_t c = 0; c < n_cand; ++c) {
@@ -224,11 +249,13 @@ struct ChunkRunner {
   // the transposing add tree, and the masses in fp32 (add_masses).
   void score_candidates16() {
 #if defined(__AVX512F__)
-    const int64_t G = a.groups, D = a.dim, P16 = padded(a.page_size);
+    const int64_t G = a.groups, D = a.dim, P16 = cap;
     for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n_cand - c0);
       const __mmask16 valid = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
       // rows past nb keep stale finite values: their lanes are masked out below
+      for (int64_t c = c0 + kKeyAhead; c < std::min(n_cand, c0 + kKeyAhead + 16); ++c)
+        prefetch_row(kc + (cand_slot[c] * a.h_kv + k) * D, D);
       for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
       uint16_t need = 0;
       for (int64_t g = 0; g < G; ++g) {
@@ -247,8 +274,6 @@ struct ChunkRunner {
         add_masses(s, valid, attend, st[g], a.ref[head0 + g]);
       }
       need_bits[c0 / 16] = need;
-      for (uint32_t bits = need; bits; bits &= bits - 1)
-        prefetch_row(vc + (cand_slot[c0 + __builtin_ctz(bits)] * a.h_kv + k) * a.dim_v, a.dim_v);
     }
 #endif
   }
@@ -267,7 +292,7 @@ struct ChunkRunner {
   // Online softmax over the page's attended candidates: one rescale per head and page to the
   // page's largest score, then each needed V row is read once for all heads of the group.
   void attend_candidates() {
-    const int64_t G = a.groups, DV = a.dim_v, P16 = padded(a.page_size), blocks = (n_cand + 15) / 16;
+    const int64_t G = a.groups, DV = a.dim_v, P16 = cap, blocks = (n_cand + 15) / 16;
     for (int64_t g = 0; g < G; ++g) {
       HeadState& h = st[g];
       const float* sg = score.data() + g * P16;
@@ -289,9 +314,13 @@ struct ChunkRunner {
       }
       page_weights(sg, ab, blocks, h, wg);
     }
-    for (int64_t c = 0; c < n_cand; ++c) {
-      if (!(need_bits[c / 16] >> (c % 16) & 1)) continue;
-      ++n_values;
+    int64_t nv = 0;  // the rows some head attends, so that their reads can be issued ahead
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (uint32_t bits = need_bits[blk]; bits; bits &= bits - 1) value_rows[nv++] = 16 * blk + __builtin_ctz(bits);
+    n_values += nv;
+    for (int64_t i = 0; i < nv; ++i) {
+      if (i + kValueAhead < nv) prefetch_row(vc + (cand_slot[value_rows[i + kValueAhead]] * a.h_kv + k) * DV, DV);
+      const int64_t c = value_rows[i];
       load_f32(vc + (cand_slot[c] * a.h_kv + k) * DV, DV, buf.data());
       for (int64_t g = 0; g < G; ++g) {
         const float e = weight[g * P16 + c];
@@ -393,9 +422,10 @@ void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64
     for (auto& r : runners)
       if (r.open) {
         r.scan_tokens(first, p);
-        r.finish_page();
+        r.end_page();
       }
   }
+  for (auto& r : runners) r.flush();
 }
 
 // Arguments of the attend pass from its tensors (shapes as in grid_sparse_attend).

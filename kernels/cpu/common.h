@@ -282,6 +282,63 @@ inline void dot_block16_vnni(const uint8_t* first, int64_t stride, int64_t bits,
     }
   }
 }
+
+// dot_block16_vnni for 4-bit codes, with the weights in nibble_order block 8. A token's 64-channel
+// block is 32 bytes, 8 dwords of packed nibbles; the 16 tokens' dwords are transposed while still
+// packed (lane t of col[i] = dword i of token t; 32 shuffles, against 64 for the unpacked bytes),
+// and each col[i] then splits into its low nibbles (channels 8i, 8i+2, 8i+4, 8i+6) and its high
+// ones (8i+1, ..., 8i+7): the weight quads at 8i and 8i+4 of the block-8 order. The scan is
+// compute-bound once its codes are in cache, and the transpose was its largest part.
+inline void dot_block16_vnni4(const uint8_t* first, int64_t stride, int64_t D, const int8_t* w, int64_t G,
+                              __m512i* out) {
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_setzero_si512();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  // qwords of two sources: [first's 128-bit lane 0, second's lane 0, first's lane 2, second's lane 2]
+  // and the same with lanes 1 and 3
+  const __m512i even_lanes = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i odd_lanes = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    // r[i]: token i in the low 256 bits, token i + 8 in the high ones; 128-bit lanes
+    // [t_i d0-3, t_i d4-7, t_i+8 d0-3, t_i+8 d4-7]
+    __m512i r[8], a[8], b[8], col[8];
+    for (int i = 0; i < 8; ++i) {
+      const auto* lo_row = reinterpret_cast<const __m256i*>(first + i * stride + blk * 32);
+      const auto* hi_row = reinterpret_cast<const __m256i*>(first + (i + 8) * stride + blk * 32);
+      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(lo_row)), _mm256_loadu_si256(hi_row), 1);
+    }
+    for (int i = 0; i < 4; ++i) {  // lane 0 of a[2i]: d0, d1 of tokens 2i, 2i+1; of a[2i+1]: d2, d3
+      a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // b[4h + c], lanes: [d_c, d_c+4 of tokens 4h .. 4h+3, the same of 4h+8 .. 4h+11]
+      b[4 * h] = _mm512_unpacklo_epi64(a[4 * h], a[4 * h + 2]);
+      b[4 * h + 1] = _mm512_unpackhi_epi64(a[4 * h], a[4 * h + 2]);
+      b[4 * h + 2] = _mm512_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
+      b[4 * h + 3] = _mm512_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      col[c] = _mm512_permutex2var_epi64(b[c], even_lanes, b[4 + c]);
+      col[4 + c] = _mm512_permutex2var_epi64(b[c], odd_lanes, b[4 + c]);
+    }
+    __m512i low[8], high[8];
+    for (int i = 0; i < 8; ++i) {
+      low[i] = _mm512_and_si512(col[i], nib);
+      high[i] = _mm512_and_si512(_mm512_srli_epi16(col[i], 4), nib);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* wb = w + g * D + blk * 64;  // two local chains, as in dot_block16_vnni
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        int32_t q0, q1;
+        std::memcpy(&q0, wb + 8 * i, sizeof(q0));
+        std::memcpy(&q1, wb + 8 * i + 4, sizeof(q1));
+        even = _mm512_dpbusd_epi32(even, low[i], _mm512_set1_epi32(q0));
+        odd = _mm512_dpbusd_epi32(odd, high[i], _mm512_set1_epi32(q1));
+      }
+      out[g] = _mm512_add_epi32(out[g], _mm512_add_epi32(even, odd));
+    }
+  }
+}
 #else
 constexpr bool kHaveVnni = false;
 inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*) {}
@@ -290,7 +347,7 @@ inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int6
 // Reorder one head's weights [D] to the channel order in which 4-bit codes are unpacked without
 // re-interleaving: per ``block`` channels, the even channels (low nibbles), then the odd ones (high
 // nibbles). Other widths keep channel order. dot_token_vnni / dot_block16_vnni use block 64 (int8
-// weights), code_floats16 uses block 32 (fp32 weights).
+// weights), dot_block16_vnni4 block 8, code_floats16 block 32 (fp32 weights).
 template <typename T>
 inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* out) {
   if (bits != 4) {
@@ -305,25 +362,32 @@ inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* 
     }
 }
 
-// nibble_order of one head's int8 weights with block 64: one byte permutation per 64 channels.
-inline void nibble_order64(const int8_t* w, int64_t bits, int64_t D, int8_t* out) {
 #if defined(__AVX512VBMI__)
-  if (bits == 4) {
-    // byte j <- channel 2j, byte 32 + j <- channel 2j + 1 (built once: this runs per page and head)
-    static const __m512i perm = [] {
-      alignas(64) int8_t idx[64];
-      for (int j = 0; j < 32; ++j) {
-        idx[j] = static_cast<int8_t>(2 * j);
-        idx[32 + j] = static_cast<int8_t>(2 * j + 1);
-      }
-      return _mm512_load_si512(idx);
-    }();
+// The byte permutation of nibble_order within 64 channels for ``block`` (8 or 64) dividing 64.
+inline __m512i nibble_permutation(int block) {
+  alignas(64) int8_t idx[64];
+  for (int base = 0; base < 64; base += block)
+    for (int j = 0; j < block / 2; ++j) {
+      idx[base + j] = static_cast<int8_t>(base + 2 * j);
+      idx[base + block / 2 + j] = static_cast<int8_t>(base + 2 * j + 1);
+    }
+  return _mm512_load_si512(idx);
+}
+#endif
+
+// nibble_order of one head's int8 weights with block 64 or 8 (D a multiple of 64): one byte
+// permutation per 64 channels (built once: this runs per page and head).
+inline void nibble_order_int8(const int8_t* w, int64_t bits, int64_t D, int block, int8_t* out) {
+#if defined(__AVX512VBMI__)
+  if (bits == 4 && (block == 64 || block == 8)) {
+    static const __m512i perm64 = nibble_permutation(64), perm8 = nibble_permutation(8);
+    const __m512i perm = block == 64 ? perm64 : perm8;
     for (int64_t blk = 0; blk < D / 64; ++blk)
       _mm512_storeu_si512(out + blk * 64, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + blk * 64)));
     return;
   }
 #endif
-  nibble_order(w, bits, D, 64, out);
+  nibble_order(w, bits, D, block, out);
 }
 
 inline int32_t dot_u8s8(const uint8_t* c, const int8_t* w, int64_t D) {
