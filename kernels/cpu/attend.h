@@ -52,7 +52,7 @@ struct ChunkRunner {
   int64_t b, k, head0;
   bool open = false, vector_scores;
   int64_t cap;  // batch capacity; declared before the buffers sized by it
-  std::vector<float> buf, acc, w, off, pb, step, drop_max, book, rows16, score, weight;
+  std::vector<float> buf, acc, w, off, pb, step, drop_max, drop_lanes, book, rows16, score, weight;
   std::vector<int8_t> wq, wsplit, wsplit8;  // int8 weights; nibble_order block 64 and block 8
   std::vector<int32_t> idot;
   std::vector<uint8_t> page_codes;
@@ -69,7 +69,8 @@ struct ChunkRunner {
         vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0),
         cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
-        off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups), book(3 * args.dim),
+        off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
+        drop_lanes(16 * args.groups), book(3 * args.dim),
         rows16(16 * args.dim), score(args.groups * cap), weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
         wsplit8(args.groups * args.dim),
         idot(args.groups), page_codes(args.page_size * args.dim),
@@ -116,6 +117,7 @@ struct ChunkRunner {
       if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
+      std::fill(drop_lanes.begin() + 16 * g, drop_lanes.begin() + 16 * (g + 1), -INFINITY);
     }
     if (vnni_scan()) {
       for (int64_t g = 0; g < G; ++g) {
@@ -148,9 +150,10 @@ struct ChunkRunner {
       const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
                                       _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
       const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
-      if (drop) {
+      if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
-        drop_max[g] = std::max(drop_max[g], _mm512_mask_reduce_max_ps(drop, ub));
+        const __m512 seen = _mm512_loadu_ps(drop_lanes.data() + 16 * g);
+        _mm512_storeu_ps(drop_lanes.data() + 16 * g, _mm512_mask_max_ps(seen, drop, seen, ub));
       }
       cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
     }
@@ -202,8 +205,12 @@ struct ChunkRunner {
   // After the scan of an open page: its dropped-mass accounting. Its candidates join the batch,
   // which is scored and attended (flush) once another page might not fit or the chunk ends.
   void end_page() {
-    for (int64_t g = 0; g < a.groups; ++g)
-      if (drop_count[g]) st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, drop_max[g], a.ref[head0 + g]);
+    for (int64_t g = 0; g < a.groups; ++g) {
+      if (!drop_count[g]) continue;
+      float top = drop_max[g];  // the per-token path's; the 16-token blocks' are in drop_lanes
+      for (int i = 0; i < 16; ++i) top = std::max(top, drop_lanes[16 * g + i]);
+      st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, top, a.ref[head0 + g]);
+    }
     if (n_cand + a.page_size > cap) flush();
   }
 
@@ -318,6 +325,42 @@ struct ChunkRunner {
     for (int64_t blk = 0; blk < blocks; ++blk)
       for (uint32_t bits = need_bits[blk]; bits; bits &= bits - 1) value_rows[nv++] = 16 * blk + __builtin_ctz(bits);
     n_values += nv;
+    accumulate_values(nv);
+  }
+
+  // acc[g] += weight[g][c]·V row of candidate c, over the nv candidates in value_rows (a head's
+  // zero weight adds nothing, not even 0·inf). With AVX-512 the accumulators of up to 4 heads ×
+  // 64 channels stay in 16 registers over all rows, instead of a load and store per row and head.
+  void accumulate_values(int64_t nv) {
+    const int64_t G = a.groups, DV = a.dim_v, P16 = cap;
+#if defined(__AVX512F__)
+    if (DV % 64 == 0) {
+      for (int64_t g0 = 0; g0 < G; g0 += 4)
+        for (int64_t d0 = 0; d0 < DV; d0 += 64) {
+          const int64_t ng = std::min<int64_t>(4, G - g0);
+          const bool first_pass = g0 == 0 && d0 == 0;
+          __m512 r[4][4];
+          for (int64_t j = 0; j < ng; ++j)
+            for (int c = 0; c < 4; ++c) r[j][c] = _mm512_loadu_ps(acc.data() + (g0 + j) * DV + d0 + 16 * c);
+          for (int64_t i = 0; i < nv; ++i) {
+            if (first_pass && i + kValueAhead < nv)
+              prefetch_row(vc + (cand_slot[value_rows[i + kValueAhead]] * a.h_kv + k) * DV, DV);
+            const int64_t row = value_rows[i];
+            const KV* v = vc + (cand_slot[row] * a.h_kv + k) * DV + d0;
+            const __m512 x[4] = {load16_ps(v), load16_ps(v + 16), load16_ps(v + 32), load16_ps(v + 48)};
+            for (int64_t j = 0; j < ng; ++j) {
+              const float e = weight[(g0 + j) * P16 + row];
+              const __mmask16 on = e != 0.f ? __mmask16(0xFFFF) : __mmask16(0);
+              const __m512 ev = _mm512_set1_ps(e);
+              for (int c = 0; c < 4; ++c) r[j][c] = _mm512_mask3_fmadd_ps(ev, x[c], r[j][c], on);
+            }
+          }
+          for (int64_t j = 0; j < ng; ++j)
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc.data() + (g0 + j) * DV + d0 + 16 * c, r[j][c]);
+        }
+      return;
+    }
+#endif
     for (int64_t i = 0; i < nv; ++i) {
       if (i + kValueAhead < nv) prefetch_row(vc + (cand_slot[value_rows[i + kValueAhead]] * a.h_kv + k) * DV, DV);
       const int64_t c = value_rows[i];

@@ -50,6 +50,24 @@ inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
   }
 }
 
+#if defined(__AVX512F__)
+// 16 values of the KV dtype as fp32 lanes.
+template <typename T>
+inline __m512 load16_ps(const T* src) {
+  alignas(64) float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(src[i]);
+  return _mm512_load_ps(tmp);
+}
+inline __m512 load16_ps(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16_ps(const c10::Half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline __m512 load16_ps(const c10::BFloat16* src) {  // bf16 is the top half of fp32
+  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+#endif
+
 // Unpack one token's packed codes [bytes] into floats [dim].
 inline void unpack_row(const uint8_t* src, int bits, int dim, float* dst) {
   if (bits == 8) {
