@@ -70,10 +70,9 @@ struct ChunkRunner {
         cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
         off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
-        drop_lanes(16 * args.groups), book(3 * args.dim),
-        rows16(16 * args.dim), score(args.groups * cap), weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
-        wsplit8(args.groups * args.dim),
-        idot(args.groups), page_codes(args.page_size * args.dim),
+        drop_lanes(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
+        weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
+        wsplit8(args.groups * args.dim), idot(args.groups), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
         value_rows(cap), keep_page(args.groups), st(args.groups) {}
 
@@ -301,8 +300,8 @@ struct ChunkRunner {
   }
 #endif
 
-  // Online softmax over the page's attended candidates: one rescale per head and page to the
-  // page's largest score, then each needed V row is read once for all heads of the group.
+  // Online softmax over the batch's attended candidates: one rescale per head and batch to the
+  // batch's largest score, then each needed V row is read once for all heads of the group.
   void attend_candidates() {
     const int64_t G = a.groups, DV = a.dim_v, P16 = cap, blocks = (n_cand + 15) / 16;
     for (int64_t g = 0; g < G; ++g) {
