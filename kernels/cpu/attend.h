@@ -118,10 +118,11 @@ struct ChunkRunner {
       drop_max[g] = -INFINITY;
       std::fill(drop_lanes.begin() + 16 * g, drop_lanes.begin() + 16 * (g + 1), -INFINITY);
     }
-    if (vnni_scan()) {
+    if (vnni_scan()) {  // 4-bit 16-token blocks read wsplit8; the per-token path (and 8 bits) wsplit
+      const bool blocks4 = a.bits == 4, tokens = a.bits != 4 || a.page_size % 16 != 0;
       for (int64_t g = 0; g < G; ++g) {
-        nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
-        if (a.bits == 4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
+        if (tokens) nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
+        if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
     }
     return true;

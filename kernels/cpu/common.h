@@ -22,34 +22,6 @@
 
 namespace louver_cpu {
 
-// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512 where it applies).
-template <typename T>
-inline void load_f32(const T* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline void load_f32(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
-
-inline void load_f32(const c10::Half* src, int64_t n, float* dst) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is the top half of fp32
-    float f;
-    std::memcpy(&f, &word, sizeof(f));
-    dst[i] = f;
-  }
-}
-
 #if defined(__AVX512F__)
 // 16 values of the KV dtype as fp32 lanes.
 template <typename T>
@@ -67,6 +39,33 @@ inline __m512 load16_ps(const c10::BFloat16* src) {  // bf16 is the top half of 
   return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
 #endif
+
+// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512 where it applies).
+template <typename T>
+inline void load_f32(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+
+inline void load_f32(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is the top half of fp32
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    dst[i] = f;
+  }
+}
 
 // Unpack one token's packed codes [bytes] into floats [dim].
 inline void unpack_row(const uint8_t* src, int bits, int dim, float* dst) {
