@@ -12,7 +12,7 @@ from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.fused import chunk_totals_reference, compiled_exact_part, merge_reference, step_stats_reference
 from louver_sgl.decode.plan import plan_decode
-from louver_sgl.decode.step import exact_part
+from louver_sgl.decode.step import StepStats, exact_part
 
 ops_module = pytest.importorskip("louver_kernels.cpu_ops")
 if not ops_module.cpu_ops_available():
@@ -87,9 +87,10 @@ def test_step_stats_match_torch(own_dropped):
     masses = torch.rand(batch, heads, 3, generator=gen, dtype=torch.float64)
     z[3, 1, 0] = float("nan")  # NaN masses stay NaN in the bound, as torch.maximum does
     dropped = torch.rand(batch, heads, generator=gen, dtype=torch.float64) if own_dropped else torch.empty(0, dtype=torch.float64)
-    *got, got_any = OPS.step_stats(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
+    packed, got_any = OPS.step_stats(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
     want, want_any = step_stats_reference(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
     assert got_any is want_any is True
+    got = _unpacked(packed, num_indexed)
     assert torch.equal(got[4], torch.tensor([True, False, True, False]))
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
@@ -99,17 +100,39 @@ def test_step_stats_match_torch(own_dropped):
     assert float(got[0][0, 0]) != 7.0
 
 
+def _unpacked(packed, num_indexed):
+    """step_stats_reference's fields from the packed statistics, through StepStats.from_packed."""
+    stats = StepStats.from_packed(packed, num_indexed, num_indexed // 16)
+    counts = torch.stack([stats.union_candidates, stats.values_read, stats.pages_read], -1)
+    return (stats.threshold, stats.candidates, stats.pages_skipped, stats.mass_bound, stats.dense_fallback, counts)
+
+
+def test_packed_step_stats_behave_like_a_dataclass():
+    """A packed StepStats unpacks once, compares equal to its eager twin and fails on unknown names."""
+    packed = torch.arange(2 * 4 * 4, dtype=torch.float64).view(2, 4, 4)
+    packed[:, 3, 0] = torch.tensor([1.0, 0.0])
+    lazy = StepStats.from_packed(packed, torch.tensor([64, 32]), torch.tensor([4, 2]))
+    eager = StepStats(**{name: getattr(lazy, name) for name in StepStats.__dataclass_fields__})
+    assert "_packed" not in lazy.__dict__ and repr(lazy) == repr(eager)
+    assert lazy.candidates.dtype == torch.long and lazy.threshold.dtype == torch.float32
+    assert lazy.dense_fallback.tolist() == [True, False] and lazy.pages_read.tolist() == [15, 31]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lazy.nope
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("given_out", [False, True])
-def test_fused_decode_is_fused_step_then_step_stats(q_dtype, given_out):
+def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     """The one-call step equals fused_step followed by the statistics' specification, its output
-    in q's dtype (new or the caller's buffer); a request over the fallback fraction is flagged."""
+    in q's dtype (new or the caller's buffer, here a strided view), q read through its strides; a
+    request over the fallback fraction is flagged."""
     from louver_sgl import PageIndexStore
     from louver_sgl.decode.fused import _Outputs, page_chunks
 
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=40)
     k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=9, dtype=torch.float16)
-    q = (torch.randn(len(LENS), 6, 64, generator=torch.Generator().manual_seed(10)) * 2).to(q_dtype)
+    q_wide = (torch.randn(len(LENS), 6, 128, generator=torch.Generator().manual_seed(10)) * 2).to(q_dtype)
+    q = q_wide[..., 32:96]  # a strided view, as a slice of a fused QKV projection is
     plan = plan_decode(table, lens, cfg)
     store = PageIndexStore(cfg, len(k) // 16, 2, 64, torch.float16)
     store.build_pages(k, torch.arange(store.num_pages))
@@ -119,23 +142,46 @@ def test_fused_decode_is_fused_step_then_step_stats(q_dtype, given_out):
     def scratch():
         return _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
 
-    def inputs(part):
-        return (k, v, *index, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                *chunks, 0.125, 0.1, 0.0, True, 4, 16, *part.exact, part.t, part.gate, *part.attend, part.result,
-                *part.totals)
-
     a, b = scratch(), scratch()
-    OPS.fused_step(q.float().contiguous(), *inputs(a))
+    OPS.fused_step(q.float().contiguous(), k, v, *index, plan.dense_slots, plan.dense_req, plan.sample_slots,
+                   plan.sample_req, plan.page_ids, *chunks, 0.125, 0.1, 0.0, True, 4, 16, *a.exact, a.t, a.gate,
+                   *a.attend, a.result, *a.totals)
     want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
                                           plan.num_indexed, 0.02, 2)
-    out = torch.full((len(LENS), 6, 64), float("nan"), dtype=q_dtype) if given_out else None
-    got_out, *got, got_any = OPS.fused_decode(q, *inputs(b), plan.num_indexed, 0.02, out)
+    step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
+                              *chunks, plan.num_indexed],
+                             [torch.empty(len(LENS), 6, 64), *b.exact, b.t, b.gate, *b.attend, b.result, *b.totals])
+    layer = OPS.LayerStep(k, v, *index, 0.125, 0.1, 0.0, True, 4, 16, 0.02)
+    out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
+    got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
     assert torch.equal(got_out, a.result.to(q_dtype))
     assert got_any is want_any is True  # 2 % of the indexed keys: the long requests fall back
-    counts = want[5]
-    for g, w in zip(got, [*want[:5], counts[:, 0], counts[:, 1], counts[:, 2]]):
+    for g, w in zip(_unpacked(packed, plan.num_indexed), want):
         assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
+    from louver_sgl.decode.fused import _Outputs, page_chunks
+
+    q, k, v, plan, cfg = _batch(torch.float32)
+    chunks = page_chunks(plan, 3)
+    part = _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
+    step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
+                              *chunks, plan.num_indexed],
+                             [torch.empty(len(LENS), 6, 64), *part.exact, part.t, part.gate, *part.attend,
+                              part.result, *part.totals])
+    from louver_sgl import PageIndexStore
+
+    store = PageIndexStore(LouverConfig(page_size=16, grid_bits=4), len(k) // 16, 2, 64, torch.float32)
+    layer = OPS.LayerStep(k, v, *(store.tensors[n] for n in ("lo", "scale", "radius", "codes")), 0.125, 0.1, 0.0,
+                          True, 4, 16, 0.5)
+    with pytest.raises(ValueError, match="plan is for queries"):
+        layer.run(q[:2], step_plan, None)
+    with pytest.raises(ValueError, match="q must be a float CPU tensor"):
+        layer.run(q.long(), step_plan, None)
+    with pytest.raises(ValueError, match="out must be"):
+        layer.run(q, step_plan, torch.empty(len(LENS), 6, 32))
 
 
 def test_fp32_exp_error_bound_holds_for_every_input():

@@ -1,10 +1,13 @@
-// The step statistics from the compiled step's totals, as one op: at batch 1 the two dozen small
-// tensor ops that computed them in Python cost a sixth of a whole step.
+// The step statistics from the compiled step's totals, packed into one tensor: at batch 1 every
+// tensor a step creates or op it runs costs microseconds once a layer has swept the caches.
 
 #include <cmath>
 #include <tuple>
 
 #include "ops.h"
+#include "stats.h"
+
+namespace louver_cpu {
 
 namespace {
 
@@ -13,48 +16,52 @@ double nan_max(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? N
 
 }  // namespace
 
+bool step_stats_packed(const float* t, const double* z, const int64_t* per_head, const int64_t* per_req,
+                       const double* masses, const double* index_dropped, const int64_t* num_indexed, int64_t B,
+                       int64_t H, double fallback_fraction, int64_t h_kv, double* packed) {
+  bool any = false;
+  for (int64_t b = 0; b < B; ++b) {
+    // the torch path's comparison: int64 count against the fp32 product fraction · max(N·H_kv, 1)
+    const float limit =
+        static_cast<float>(fallback_fraction) * static_cast<float>(std::max<int64_t>(num_indexed[b] * h_kv, 1));
+    const bool fallback = static_cast<float>(per_req[b * 3]) > limit;
+    any |= fallback;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double z_final = nan_max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
+      const double dropped = index_dropped ? index_dropped[i] : masses[3 * i];
+      double* row = packed + (b * (H + 1) + h) * 4;
+      row[0] = t[i];
+      row[1] = static_cast<double>(fallback ? num_indexed[b] : per_head[2 * i]);
+      row[2] = static_cast<double>(per_head[2 * i + 1]);
+      row[3] = fallback ? 0.0 : (dropped + masses[3 * i + 1]) / z_final;
+    }
+    double* row = packed + (b * (H + 1) + H) * 4;
+    row[0] = fallback ? 1.0 : 0.0;
+    for (int j = 0; j < 3; ++j) row[1 + j] = static_cast<double>(per_req[b * 3 + j]);
+  }
+  return any;
+}
+
+}  // namespace louver_cpu
+
 // fused.step_stats_reference is the specification. t [B, H_q] f32; z [B, H_q, 2] f64 (masses of
 // the dense part and the sample); per_head [B, H_q, 2] i64 (attended, pages skipped); per_req
 // [B, 3] i64 (union candidates, values read, pages read); masses [B, H_q, 3] f64; index_dropped
-// [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64 -> new tensors (threshold
-// [B, H_q] f32, candidates [B, H_q] i64, pages_skipped [B, H_q] i64, mass_bound [B, H_q] f64,
-// dense_fallback [B] bool, counts [B, 3] i64) and whether any request falls back to dense.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, bool> step_stats(
-    torch::Tensor t, torch::Tensor z, torch::Tensor per_head, torch::Tensor per_req, torch::Tensor masses,
-    torch::Tensor index_dropped, torch::Tensor num_indexed, double fallback_fraction, int64_t h_kv) {
+// [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64 -> (packed statistics, see
+// stats.h, and whether any request falls back to dense).
+std::tuple<torch::Tensor, bool> step_stats(torch::Tensor t, torch::Tensor z, torch::Tensor per_head,
+                                           torch::Tensor per_req, torch::Tensor masses, torch::Tensor index_dropped,
+                                           torch::Tensor num_indexed, double fallback_fraction, int64_t h_kv) {
   const int64_t B = t.size(0), H = t.size(1);
   TORCH_CHECK(t.is_contiguous() && z.is_contiguous() && per_head.is_contiguous() && per_req.is_contiguous() &&
                   masses.is_contiguous() && num_indexed.is_contiguous() && index_dropped.is_contiguous(),
               "step_stats: inputs must be contiguous");
   TORCH_CHECK(index_dropped.numel() == 0 || index_dropped.numel() == B * H, "step_stats: index_dropped must be [B, H_q]");
-  const auto i64 = torch::TensorOptions().dtype(torch::kLong);
-  torch::Tensor threshold = t.clone(), candidates = torch::empty({B, H}, i64), skipped = torch::empty({B, H}, i64);
-  torch::Tensor bound = torch::empty({B, H}, i64.dtype(torch::kDouble));
-  torch::Tensor fallback = torch::empty({B}, i64.dtype(torch::kBool)), counts = per_req.clone();
-  const double* zp = z.data_ptr<double>();
-  const double* mp = masses.data_ptr<double>();
-  const double* dp = index_dropped.numel() ? index_dropped.data_ptr<double>() : nullptr;
-  const int64_t* ph = per_head.data_ptr<int64_t>();
-  const int64_t* pr = per_req.data_ptr<int64_t>();
-  const int64_t* ni = num_indexed.data_ptr<int64_t>();
-  int64_t* cand = candidates.data_ptr<int64_t>();
-  int64_t* skip = skipped.data_ptr<int64_t>();
-  double* bd = bound.data_ptr<double>();
-  bool* fb = fallback.data_ptr<bool>();
-  bool any = false;
-  for (int64_t b = 0; b < B; ++b) {
-    // the torch path's comparison: int64 count against the fp32 product fraction · max(N·H_kv, 1)
-    const float limit = static_cast<float>(fallback_fraction) * static_cast<float>(std::max<int64_t>(ni[b] * h_kv, 1));
-    fb[b] = static_cast<float>(pr[b * 3]) > limit;
-    any |= fb[b];
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = b * H + h;
-      const double z_final = nan_max(zp[2 * i] + zp[2 * i + 1], zp[2 * i] + mp[3 * i + 2]);
-      const double dropped = dp ? dp[i] : mp[3 * i];
-      bd[i] = fb[b] ? 0.0 : (dropped + mp[3 * i + 1]) / z_final;
-      cand[i] = fb[b] ? ni[b] : ph[2 * i];
-      skip[i] = ph[2 * i + 1];
-    }
-  }
-  return {threshold, candidates, skipped, bound, fallback, counts, any};
+  torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
+  const bool any = louver_cpu::step_stats_packed(
+      t.data_ptr<float>(), z.data_ptr<double>(), per_head.data_ptr<int64_t>(), per_req.data_ptr<int64_t>(),
+      masses.data_ptr<double>(), index_dropped.numel() ? index_dropped.data_ptr<double>() : nullptr,
+      num_indexed.data_ptr<int64_t>(), B, H, fallback_fraction, h_kv, packed.data_ptr<double>());
+  return {packed, any};
 }

@@ -6,8 +6,12 @@
 #include "attend.h"
 #include "exact_merge.h"
 #include "ops.h"
+#include "stats.h"
 
 #include <omp.h>
+
+#include <array>
+#include <vector>
 
 using namespace louver_cpu;
 
@@ -71,38 +75,107 @@ void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
   chunk_totals_into(counts, mass, chunk_req, per_head, per_req, masses);
 }
 
-// fused_step, then the step statistics (step_stats) and the output in the caller's dtype, in one
-// call. After a layer has swept the caches each Python-level op of a step's host work costs tens
-// of microseconds (the interpreter's and torch's own code and data come back from memory), so at
-// batch 1 three ops and the glue between them were a sixth of a 32K step.
-// Inputs as fused_step (its outputs are the caller-owned scratch buffers; q may be any float
-// dtype, the step runs on its fp32 copy), plus num_indexed [B] i64 and fallback_fraction as
-// step_stats, and out: [B, H_q, Dv] in any float dtype, or None for a new tensor in q's dtype.
-// Returns (out, then step_stats' threshold, candidates, pages_skipped, mass_bound,
-// dense_fallback, then its counts split into union_candidates, values_read, pages_read [B] i64,
-// and whether any request falls back to dense; out then still holds the sparse result for it).
-FusedDecodeResult fused_decode(
-    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo, torch::Tensor scale,
-    torch::Tensor radius, torch::Tensor codes, torch::Tensor dense_slots, torch::Tensor dense_req,
-    torch::Tensor sample_slots, torch::Tensor sample_req, torch::Tensor page_ids, torch::Tensor chunk_req,
-    torch::Tensor chunk_begin, torch::Tensor chunk_end, double sigma, double budget, double t_fixed, bool value_gate,
-    int64_t bits, int64_t page_size, torch::Tensor s_dense, torch::Tensor sample, torch::Tensor ref, torch::Tensor z,
-    torch::Tensor t, torch::Tensor gate, torch::Tensor m_out, torch::Tensor l_out, torch::Tensor o_out,
-    torch::Tensor counts, torch::Tensor mass, torch::Tensor result, torch::Tensor per_head, torch::Tensor per_req,
-    torch::Tensor masses, torch::Tensor num_indexed, double fallback_fraction, std::optional<torch::Tensor> out) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
-              "fused_decode: q, the KV caches and the index must be CPU tensors");
+namespace {
+
+// dst [B, H, D] (contiguous) = src [B, H, D] (any strides) as ``To``.
+template <typename From, typename To>
+void copy_heads(const From* src, const std::array<int64_t, 3>& stride, int64_t B, int64_t H, int64_t D, To* dst) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const From* row = src + b * stride[0] + h * stride[1];
+      To* out = dst + (b * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<To>(static_cast<float>(row[d * stride[2]]));
+    }
+}
+
+std::array<int64_t, 3> strides3(const torch::Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
+
+void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.scalar_type() == dtype, "StepPlan: ", name,
+              " must be a contiguous CPU tensor of dtype ", dtype);
+}
+
+}  // namespace
+
+StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::Tensor> buffers) {
+  TORCH_CHECK(plan_tensors.size() == 9 && buffers.size() == 16, "StepPlan: expected 9 plan tensors and 16 buffers");
+  dense_slots = plan_tensors[0], dense_req = plan_tensors[1], sample_slots = plan_tensors[2];
+  sample_req = plan_tensors[3], page_ids = plan_tensors[4], chunk_req = plan_tensors[5];
+  chunk_begin = plan_tensors[6], chunk_end = plan_tensors[7], num_indexed = plan_tensors[8];
+  for (const auto& x : plan_tensors) check_buffer(x, at::kLong, "a plan tensor");
+  q32 = buffers[0], s_dense = buffers[1], sample = buffers[2], ref = buffers[3], z = buffers[4], t = buffers[5];
+  gate = buffers[6], m = buffers[7], l = buffers[8], o = buffers[9], counts = buffers[10], mass = buffers[11];
+  result = buffers[12], per_head = buffers[13], per_req = buffers[14], masses = buffers[15];
+  for (const auto* x : {&q32, &s_dense, &sample, &ref, &t, &gate, &m, &l, &o, &result}) check_buffer(*x, at::kFloat, "an fp32 buffer");
+  for (const auto* x : {&z, &mass, &masses}) check_buffer(*x, at::kDouble, "an fp64 buffer");
+  for (const auto* x : {&counts, &per_head, &per_req}) check_buffer(*x, at::kLong, "a count buffer");
+  TORCH_CHECK(q32.dim() == 3 && result.dim() == 3 && result.size(0) == q32.size(0) && result.size(1) == q32.size(1),
+              "StepPlan: q32 must be [B, H_q, D] and result [B, H_q, D_v]");
+  const int64_t n = chunk_req.size(0), heads = q32.size(1);
+  m2 = m.view({n, heads});
+  l2 = l.view({n, heads});
+  o2 = o.view({n, heads, result.size(2)});
+}
+
+LayerStep::LayerStep(torch::Tensor k_cache_, torch::Tensor v_cache_, torch::Tensor lo_, torch::Tensor scale_,
+                     torch::Tensor radius_, torch::Tensor codes_, double sigma_, double budget_, double t_fixed_,
+                     bool value_gate_, int64_t bits_, int64_t page_size_, double fallback_fraction_)
+    : k_cache(k_cache_), v_cache(v_cache_), lo(lo_), scale(scale_), radius(radius_), codes(codes_), sigma(sigma_),
+      budget(budget_), t_fixed(t_fixed_), fallback_fraction(fallback_fraction_), value_gate(value_gate_),
+      bits(bits_), page_size(page_size_) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
+              "LayerStep: the KV caches and the index must be CPU tensors");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "LayerStep: k/v caches must be contiguous [slots, H_kv, D]");
+  TORCH_CHECK(lo.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "LayerStep: the V cache and the index codebooks must use the K cache's dtype");
+}
+
+std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tensor& q, StepPlan& p,
+                                                              std::optional<torch::Tensor> out) const {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1), D = p.q32.size(2), DV = p.result.size(2);
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == H && q.size(2) == D,
+                    "louver step: the plan is for queries [B, H_q, D] = [", B, ", ", H, ", ", D, "], got q ",
+                    q.sizes());
+  TORCH_CHECK_VALUE(D == k_cache.size(2) && DV == v_cache.size(2) && H % k_cache.size(1) == 0,
+                    "louver step: the plan's buffers do not fit this layer's KV caches");
+  TORCH_CHECK_VALUE(q.device().is_cpu() && at::isFloatingType(q.scalar_type()),
+                    "louver step: q must be a float CPU tensor");
   if (out.has_value())
-    TORCH_CHECK(out->sizes() == result.sizes(), "fused_decode: out must be [B, H_q, Dv] like the result");
-  const torch::Tensor q32 = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
-  fused_step(q32, k_cache, v_cache, lo, scale, radius, codes, dense_slots, dense_req, sample_slots, sample_req,
-             page_ids, chunk_req, chunk_begin, chunk_end, sigma, budget, t_fixed, value_gate, bits, page_size, s_dense,
-             sample, ref, z, t, gate, m_out, l_out, o_out, counts, mass, result, per_head, per_req, masses);
-  auto [threshold, candidates, skipped, bound, fallback, totals, any] =
-      step_stats(t, z, per_head, per_req, masses, torch::empty({0}, z.options()), num_indexed, fallback_fraction,
-                 k_cache.size(1));
-  torch::Tensor dest =
-      out.has_value() ? out->copy_(result) : result.to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-  return {dest, threshold, candidates, skipped, bound, fallback,
-          totals.select(1, 0), totals.select(1, 1), totals.select(1, 2), any};
+    TORCH_CHECK_VALUE(out->device().is_cpu() && out->dim() == 3 && out->size(0) == B && out->size(1) == H &&
+                          out->size(2) == DV && at::isFloatingType(out->scalar_type()),
+                      "louver step: out must be a float CPU tensor [B, H_q, D_v] like the result");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "louver_step_q", [&] {
+    copy_heads(q.data_ptr<scalar_t>(), strides3(q), B, H, D, p.q32.data_ptr<float>());
+  });
+  const ExactArgs e = exact_args(p.q32, k_cache, p.dense_slots, p.dense_req, p.sample_slots, p.sample_req, sigma,
+                                 budget, p.s_dense, p.sample, p.ref, p.z, p.t);
+  const AttendArgs a = attend_args(p.q32, k_cache, v_cache, codes, p.page_ids, p.chunk_req, p.chunk_begin,
+                                   p.chunk_end, p.t, p.gate, p.ref, sigma, bits, page_size, p.m, p.l, p.o, p.counts,
+                                   p.mass);
+  const MergeArgs g = merge_args(p.s_dense, p.dense_slots, p.dense_req, v_cache, p.m2, p.l2, p.o2, p.chunk_req, sigma,
+                                 p.result);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
+    run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+               scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, p.t.data_ptr<float>(),
+               p.gate.data_ptr<float>());
+  });
+  chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+  torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
+  const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
+                                     p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(), nullptr,
+                                     p.num_indexed.data_ptr<int64_t>(), B, H, fallback_fraction, k_cache.size(1),
+                                     packed.data_ptr<double>());
+  torch::Tensor dest = out.has_value() ? *out : torch::empty({B, H, DV}, torch::TensorOptions().dtype(q.scalar_type()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dest.scalar_type(), "louver_step_out", [&] {
+    const std::array<int64_t, 3> st = strides3(dest);
+    const float* src = p.result.data_ptr<float>();
+    scalar_t* dst = dest.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < DV; ++d)
+          dst[b * st[0] + h * st[1] + d * st[2]] = static_cast<scalar_t>(src[(b * H + h) * DV + d]);
+  });
+  return {dest, packed, any};
 }

@@ -4,10 +4,11 @@ The compiled attend pass does, per (request, chunk of pages) task and for every 
 bounds, token bounds, the GQA-union candidate gate, exact scores from candidate keys, the value
 gate, an online softmax and the dropped-mass accounting; the chunks' partial softmax states are
 then merged with the dense part. Budget, fixed and dense steps run all of it (exact part and T
-included), the step statistics and the output conversion as one call, ``fused_decode``
-(``fused_step`` + ``step_stats``); certified steps first run the compiled bound passes over every
-page to choose T (they need the histogram of all token bounds), then the same phases as ops.
-Every compiled phase has its torch specification here or in step.py / threshold.py.
+included), the step statistics and the output conversion as one call, ``LayerStep.run``
+(``fused_step`` + ``step_stats``) over a layer side made once per layer (``CompiledLayer``) and a
+plan side made once per forward pass (``StepPlan``); certified steps first run the compiled bound
+passes over every page to choose T (they need the histogram of all token bounds), then the same
+phases as ops. Every compiled phase has its torch specification here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
@@ -55,27 +56,35 @@ GUIDED_SHARE = 2
 
 
 def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
-                     config: LouverConfig, ops, chunk_pages: int, out=None):
+                     config: LouverConfig, ops, chunk_pages: int, out=None, cache_key=None):
     """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
 
-    Budget, fixed and dense steps are one compiled call (``fused_decode``: ``fused_step``, the
-    statistics and the output); certified steps run the exact part, the bound passes that choose
-    T, then the attend, merge, totals and statistics ops. The task
-    list and the output buffers come from the plan (made once per forward pass, reused by every
-    layer): at batch 1 the step's own host work is a large share of its time.
+    Budget, fixed and dense steps are one compiled call (``CompiledLayer.run``); with
+    ``cache_key`` its layer side is kept in ``store.compiled_steps`` for ``louver_decode``'s fast
+    path. Certified steps run the exact part, the bound passes that choose T, then the attend,
+    merge, totals and statistics ops. The task list and the output buffers come from the plan
+    (made once per forward pass, reused by every layer): at batch 1 the step's own host work is a
+    large share of its time.
     """
-    batch, heads, _ = q.shape
+    batch, heads, dim = q.shape
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
     threads = torch.get_num_threads()
     chunk_req, begin, end = plan.cached(("cpu_chunks", chunk_pages, threads), lambda: page_chunks(plan, chunk_pages))
     part = plan.cached(("cpu_outputs", chunk_pages, threads, heads, h_kv, d_v, config.sample_size),
                        lambda: _Outputs(batch, heads, h_kv, d_v, len(chunk_req), len(plan.dense_slots),
                                         config.sample_size))
+    if config.policy != "certified":
+        plan_key = ("cpu_step", config.page_size, chunk_pages, threads, heads, h_kv, dim, d_v, config.sample_size)
+        cpu = plan.cached(plan_key, lambda: _step_plan(ops, plan, (chunk_req, begin, end), part, dim))
+        compiled = CompiledLayer(ops, k_cache, v_cache, store, sigma, config, plan_key)
+        if cache_key is not None:
+            steps = store.compiled_steps
+            if len(steps) >= MAX_COMPILED_STEPS:  # entries keep their KV caches alive
+                steps.clear()
+            steps[cache_key] = compiled
+        return compiled.run(q, plan, cpu, out)
     meta = store.tensors
     index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
-    if config.policy != "certified":
-        return _run_one_call(q, k_cache, v_cache, index, plan, store, sigma, config, ops, (chunk_req, begin, end),
-                             part, out)
     q32 = q.to(torch.float32).contiguous()
     ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
     t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops)
@@ -85,9 +94,9 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
                      float(sigma), part.result)
     ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
-    *fields, counts, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
-                                                   float(config.dense_fallback_fraction), h_kv)
-    stats = _step_stats(*fields, counts[:, 0], counts[:, 1], counts[:, 2], plan=plan)
+    packed, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
+                                          float(config.dense_fallback_fraction), h_kv)
+    stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
     result = part.result
     if any_fallback:
         result = _dense_for(stats.dense_fallback, result, q32, k_cache, v_cache, plan, sigma)
@@ -98,39 +107,56 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     return out, stats
 
 
-def _run_one_call(q, k_cache, v_cache, index, plan: DecodePlan, store: PageIndexStore, sigma: float,
-                  config: LouverConfig, ops, chunks, part: "_Outputs", out):
-    """Budget, fixed and dense steps: kernel, statistics and output in one compiled call
-    (``fused_decode``). Few Python-level tensor calls on purpose: once a layer has swept the
-    caches each costs tens of microseconds, and at batch 1 they added up to a sixth of a step."""
-    t_static = th.static_threshold_value(config)
-    t_fixed = 0.0 if t_static is None else t_static  # budget: unused
-    budget = config.budget if config.policy == "budget" else -1.0
-    result, *fields, any_fallback = ops.fused_decode(
-        q, k_cache, v_cache, *index, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
-        plan.page_ids, *chunks, float(sigma), float(budget), t_fixed, gates_values(config), store.config.grid_bits,
-        store.page_size, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals, plan.num_indexed,
-        float(config.dense_fallback_fraction), out)
-    stats = _step_stats(*fields, plan=plan)
-    if any_fallback:
-        q32 = q.to(torch.float32).contiguous()
-        result.copy_(_dense_for(stats.dense_fallback, part.result, q32, k_cache, v_cache, plan, sigma))
-    return result, stats
+# Compiled layer steps one index store keeps (each keeps its KV caches alive; a server has one
+# per layer and store).
+MAX_COMPILED_STEPS = 16
 
 
-def _step_stats(threshold, candidates, skipped, bound, fallback, union, values, pages, *,
-                plan: DecodePlan) -> StepStats:
-    """StepStats from the compiled statistics (counts split into union candidates, values read
-    and pages read ``[B]``)."""
-    return StepStats(threshold=threshold, candidates=candidates, pages_skipped=skipped, mass_bound=bound,
-                     num_indexed=plan.num_indexed, num_pages=plan.num_pages, dense_fallback=fallback,
-                     values_read=values, union_candidates=union, pages_read=pages)
+class CompiledLayer:
+    """One layer's compiled one-call step for the budget, fixed and dense policies: the layer side
+    (``ops.LayerStep``: KV caches, index, policy scalars) and the key of the plan side it runs on
+    (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``louver_decode`` keeps it in
+    the store so that later steps skip straight to ``run``."""
+
+    __slots__ = ("layer", "plan_key", "k_cache", "v_cache", "sigma", "config")
+
+    def __init__(self, ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
+                 plan_key: tuple):
+        t_static = th.static_threshold_value(config)
+        meta = store.tensors
+        self.layer = ops.LayerStep(
+            k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
+            float(config.budget if config.policy == "budget" else -1.0), 0.0 if t_static is None else t_static,
+            gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction))
+        self.plan_key, self.k_cache, self.v_cache, self.sigma, self.config = plan_key, k_cache, v_cache, sigma, config
+
+    def run(self, q, plan: DecodePlan, cpu: tuple, out=None):
+        """One step: ``(out [B, H_q, D_v] in q's dtype, StepStats)``; ``cpu`` is
+        ``plan.derived[self.plan_key]``. Requests over the fallback fraction get dense attention."""
+        part, q32, step_plan = cpu
+        out, packed, any_fallback = self.layer.run(q, step_plan, out)
+        stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
+        if any_fallback:
+            out.copy_(_dense_for(stats.dense_fallback, part.result, q32, self.k_cache, self.v_cache, plan, self.sigma))
+        return out, stats
+
+
+def _step_plan(ops, plan: DecodePlan, chunks: tuple, part: "_Outputs", dim: int):
+    """The plan side of ``CompiledLayer.run``: (part, q32 ``[B, H_q, D]`` fp32, ``ops.StepPlan``)."""
+    batch, heads = part.ref.shape
+    q32 = torch.empty(batch, heads, dim)
+    step_plan = ops.StepPlan(
+        [plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids, *chunks,
+         plan.num_indexed],
+        [q32, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals])
+    return part, q32, step_plan
 
 
 def step_stats_reference(t, z, per_head, per_req, masses, index_dropped, num_indexed, fallback_fraction, h_kv):
-    """The specification of the compiled ``step_stats``: (threshold, candidates, pages_skipped,
-    mass_bound, dense_fallback, counts) as new tensors (shapes in the op's comment) and whether
-    any request falls back to dense. The bound is (index-dropped + value-gated mass) / Z with Z
+    """The specification of the compiled ``step_stats`` (which packs them, see
+    ``StepStats.from_packed``): (threshold, candidates, pages_skipped, mass_bound, dense_fallback,
+    counts) as new tensors (shapes in the op's comment) and whether any request falls back to
+    dense. The bound is (index-dropped + value-gated mass) / Z with Z
     the larger of the exact part's lower bound and the dense part plus every union candidate;
     requests over the fallback fraction attend densely (bound 0, every indexed key a candidate)."""
     fallback = per_req[:, 0] > fallback_fraction * (num_indexed * h_kv).clamp(min=1)

@@ -45,6 +45,36 @@ class StepStats:
     union_candidates: torch.Tensor
     pages_read: torch.Tensor
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, num_indexed: torch.Tensor, num_pages: torch.Tensor) -> StepStats:
+        """Statistics of the compiled step, packed as fp64 ``[B, H_q + 1, 4]`` (row h < H_q: head h's
+        threshold, candidates, pages skipped, mass bound; row H_q: the request's dense fallback 0/1,
+        union candidates, values read, pages read; kernels/cpu/stats.h). The fields are unpacked on
+        first access: a step then creates one tensor for its statistics, not eight (at batch 1
+        each costs microseconds once a layer has swept the caches)."""
+        stats = cls.__new__(cls)
+        stats.__dict__.update(_packed=packed, num_indexed=num_indexed, num_pages=num_pages)
+        return stats
+
+    def __getattr__(self, name: str):
+        # only reached for attributes not yet set: the fields of a packed instance
+        packed = self.__dict__.get("_packed")
+        if packed is None or name not in _PACKED_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        heads = packed.shape[1] - 1
+        per_head, per_req = packed[:, :heads], packed[:, heads]
+        self.__dict__.update(
+            threshold=per_head[..., 0].float(), candidates=per_head[..., 1].long(),
+            pages_skipped=per_head[..., 2].long(), mass_bound=per_head[..., 3].contiguous(),
+            dense_fallback=per_req[:, 0] != 0, union_candidates=per_req[:, 1].long(),
+            values_read=per_req[:, 2].long(), pages_read=per_req[:, 3].long())
+        del self.__dict__["_packed"]
+        return self.__dict__[name]
+
+
+_PACKED_FIELDS = frozenset(("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback",
+                            "union_candidates", "values_read", "pages_read"))
+
 
 def louver_decode(
     q: torch.Tensor,
@@ -77,7 +107,17 @@ def louver_decode(
 
     Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
     """
-    config = config or store.config
+    if plan is not None:
+        # Fast path: a later step of a layer whose compiled step (budget, fixed and dense policies)
+        # and the plan's buffers an earlier step prepared; its inputs were checked then, q is
+        # checked by the kernel. Few Python lines on purpose: after the layer's attention has swept
+        # the caches each costs microseconds, and at batch 1 they were a sixth of a 32K step.
+        compiled = store.compiled_steps.get((id(k_cache), id(v_cache), id(config), sigma, backend, chunk_pages))
+        if compiled is not None:
+            cpu = plan.derived.get(compiled.plan_key)
+            if cpu is not None:
+                return compiled.run(q, plan, cpu, out)
+    config_arg, config = config, config or store.config
     _check_inputs(q, k_cache, v_cache, store, config)
     if plan is None:
         plan = plan_decode(page_table, seq_lens, config)
@@ -87,7 +127,8 @@ def louver_decode(
     compiled = _cpu_ops(backend, store, q)
     if compiled is not None:
         ops, run_decode_fused = compiled
-        return run_decode_fused(q, k_cache, v_cache, plan, store, sigma, config, ops, chunk_pages, out)
+        key = (id(k_cache), id(v_cache), id(config_arg), sigma, backend, chunk_pages)
+        return run_decode_fused(q, k_cache, v_cache, plan, store, sigma, config, ops, chunk_pages, out, key)
     return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
 
 

@@ -55,6 +55,9 @@ class PageIndexStore:
         self.kv_dtype = kv_dtype
         self.on_cpu = torch.device(device).type == "cpu"
         self.tensors = _allocate(config, num_pages, num_kv_heads, head_dim, kv_dtype, device)
+        # compiled decode steps of the layers this index serves (louver_decode's fast path; keyed
+        # by the step's KV caches, config, scale, backend and split; each entry keeps its caches)
+        self.compiled_steps: dict = {}
 
     @property
     def page_size(self) -> int:
