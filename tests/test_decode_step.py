@@ -236,6 +236,39 @@ def test_caller_owned_output_buffer(policy, dtype):
     assert torch.equal(out, want)
 
 
+def test_compiled_layer_steps_are_reused_only_for_the_same_layer_and_config():
+    """Later steps of a layer with a shared plan take louver_decode's fast path (the layer's
+    compiled step kept by the store): same output and statistics as the first step, the caller's
+    out buffer and q's dtype honoured; another config or KV cache gets its own compiled step."""
+    from louver_sgl.decode.plan import plan_decode
+
+    pytest.importorskip("louver_kernels.cpu_ops")
+    cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32, grid_bits=4)
+    q, k, v, table, lens, store = _setup(cfg)
+    plan = plan_decode(table, lens, cfg)
+    first, first_stats = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
+    if not store.compiled_steps:
+        pytest.skip("compiled CPU kernels unavailable")
+    (compiled,) = store.compiled_steps.values()
+    again, stats = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
+    assert store.compiled_steps == {next(iter(store.compiled_steps)): compiled}  # reused, not rebuilt
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    for name in ("threshold", "candidates", "mass_bound", "union_candidates", "values_read"):
+        assert torch.equal(getattr(stats, name), getattr(first_stats, name)), name
+    out = torch.full_like(q, float("nan"), dtype=torch.float16)
+    got, _ = louver_decode(q.half(), k, v, table, lens, store, 0.125, plan=plan, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got.float(), first, atol=2e-3, rtol=2e-3)
+    fixed = LouverConfig(page_size=16, policy="fixed", fixed_threshold=1.0, sample_size=32, grid_bits=4)
+    want, _ = louver_decode(q, k, v, table, lens, store, 0.125, config=fixed, plan=plan, backend="torch")
+    got, _ = louver_decode(q, k, v, table, lens, store, 0.125, config=fixed, plan=plan)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    k2, v2 = k.clone(), v.clone()
+    v2[:] = 0.0  # another layer's caches over the same index: output zero
+    got, _ = louver_decode(q, k2, v2, table, lens, store, 0.125, plan=plan)
+    assert float(got.abs().max()) == 0.0 and len(store.compiled_steps) == 3
+
+
 def test_shared_plan_gives_the_same_step_and_a_wrong_plan_is_rejected():
     """A plan built once (as the backend does per forward) gives the same output; a plan for
     another page size or batch is refused."""
