@@ -13,9 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_stats", &step_stats, "Louver step statistics from the compiled step's totals (CPU)");
   m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)");
   m.def("fused_step", &fused_step, "Louver decode step of the sample-threshold policies in one call (CPU)");
-  pybind11::class_<StepPlan>(m, "StepPlan", "The plan side of the one-call step (see ops.h)")
+  pybind11::class_<StepPlan>(m, "StepPlan", pybind11::module_local(), "The plan side of the one-call step (see ops.h)")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>>());
-  pybind11::class_<LayerStep>(m, "LayerStep", "The layer side of the one-call step (see ops.h)")
+  pybind11::class_<LayerStep>(m, "LayerStep", pybind11::module_local(), "The layer side of the one-call step (see ops.h)")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           double, double, double, bool, int64_t, int64_t, double>())
       .def("run", &LayerStep::run, "fused_step, statistics and output of one layer's step");
