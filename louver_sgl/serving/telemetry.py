@@ -15,6 +15,10 @@ from pathlib import Path
 
 logger = logging.getLogger("louver_sgl.serving")
 
+# Recorded steps summed at the latest once this many have piled up (bounds the memory they hold
+# when the log interval is long or off).
+PENDING_LIMIT = 512
+
 
 @dataclass
 class _Window:
@@ -26,6 +30,8 @@ class _Window:
     mass_bound_max: float = 0.0
     fallbacks: int = 0
     requests: int = 0
+    # StepStats recorded but not yet summed (see Telemetry.record_step)
+    pending: list = field(default_factory=list)
 
 
 @dataclass
@@ -42,8 +48,22 @@ class Telemetry:
     _metrics: dict | None = None
 
     def record_step(self, stats) -> None:
-        """Add one layer's ``StepStats``."""
+        """Add one layer's ``StepStats``. They are kept and summed when the window is read (or
+        PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
+        attention has swept the caches each costs microseconds on the decode path."""
+        pending = self.window.pending
+        pending.append(stats)
+        if len(pending) >= PENDING_LIMIT:
+            self._sum_pending()
+
+    def _sum_pending(self) -> None:
         w = self.window
+        for stats in w.pending:
+            self._add(w, stats)
+        w.pending.clear()
+
+    @staticmethod
+    def _add(w: _Window, stats) -> None:
         heads = stats.candidates.shape[1]
         w.layer_steps += 1
         w.candidates += float(stats.candidates.sum())
@@ -72,6 +92,7 @@ class Telemetry:
         tmp.replace(path)
 
     def snapshot(self) -> dict[str, float]:
+        self._sum_pending()
         w = self.window
         return {
             "candidate_fraction": w.candidates / w.indexed if w.indexed else 0.0,
