@@ -77,18 +77,23 @@ void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, t
 
 namespace {
 
-// dst [B, H, D] (contiguous) = src [B, H, D] (any strides) as ``To``.
+using Strides3 = std::array<int64_t, 3>;
+
+// dst = src, both [B, H, D] with any strides, converted through fp32 (q into the step's fp32
+// copy, the fp32 result into the caller's dtype) with plain loops: no ATen op on the step's path.
 template <typename From, typename To>
-void copy_heads(const From* src, const std::array<int64_t, 3>& stride, int64_t B, int64_t H, int64_t D, To* dst) {
+void copy_heads(const From* src, const Strides3& src_stride, To* dst, const Strides3& dst_stride, int64_t B, int64_t H,
+                int64_t D) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      const From* row = src + b * stride[0] + h * stride[1];
-      To* out = dst + (b * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<To>(static_cast<float>(row[d * stride[2]]));
+      const From* in = src + b * src_stride[0] + h * src_stride[1];
+      To* out = dst + b * dst_stride[0] + h * dst_stride[1];
+      for (int64_t d = 0; d < D; ++d)
+        out[d * dst_stride[2]] = static_cast<To>(static_cast<float>(in[d * src_stride[2]]));
     }
 }
 
-std::array<int64_t, 3> strides3(const torch::Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
+Strides3 strides3(const torch::Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2)}; }
 
 void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.scalar_type() == dtype, "StepPlan: ", name,
@@ -106,7 +111,8 @@ StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::T
   q32 = buffers[0], s_dense = buffers[1], sample = buffers[2], ref = buffers[3], z = buffers[4], t = buffers[5];
   gate = buffers[6], m = buffers[7], l = buffers[8], o = buffers[9], counts = buffers[10], mass = buffers[11];
   result = buffers[12], per_head = buffers[13], per_req = buffers[14], masses = buffers[15];
-  for (const auto* x : {&q32, &s_dense, &sample, &ref, &t, &gate, &m, &l, &o, &result}) check_buffer(*x, at::kFloat, "an fp32 buffer");
+  for (const auto* x : {&q32, &s_dense, &sample, &ref, &t, &gate, &m, &l, &o, &result})
+    check_buffer(*x, at::kFloat, "an fp32 buffer");
   for (const auto* x : {&z, &mass, &masses}) check_buffer(*x, at::kDouble, "an fp64 buffer");
   for (const auto* x : {&counts, &per_head, &per_req}) check_buffer(*x, at::kLong, "a count buffer");
   TORCH_CHECK(q32.dim() == 3 && result.dim() == 3 && result.size(0) == q32.size(0) && result.size(1) == q32.size(1),
@@ -147,7 +153,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                           out->size(2) == DV && at::isFloatingType(out->scalar_type()),
                       "louver step: out must be a float CPU tensor [B, H_q, D_v] like the result");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "louver_step_q", [&] {
-    copy_heads(q.data_ptr<scalar_t>(), strides3(q), B, H, D, p.q32.data_ptr<float>());
+    copy_heads(q.data_ptr<scalar_t>(), strides3(q), p.q32.data_ptr<float>(), strides3(p.q32), B, H, D);
   });
   const ExactArgs e = exact_args(p.q32, k_cache, p.dense_slots, p.dense_req, p.sample_slots, p.sample_req, sigma,
                                  budget, p.s_dense, p.sample, p.ref, p.z, p.t);
@@ -169,13 +175,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                                      packed.data_ptr<double>());
   torch::Tensor dest = out.has_value() ? *out : torch::empty({B, H, DV}, torch::TensorOptions().dtype(q.scalar_type()));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dest.scalar_type(), "louver_step_out", [&] {
-    const std::array<int64_t, 3> st = strides3(dest);
-    const float* src = p.result.data_ptr<float>();
-    scalar_t* dst = dest.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < DV; ++d)
-          dst[b * st[0] + h * st[1] + d * st[2]] = static_cast<scalar_t>(src[(b * H + h) * DV + d]);
+    copy_heads(p.result.data_ptr<float>(), strides3(p.result), dest.data_ptr<scalar_t>(), strides3(dest), B, H, DV);
   });
   return {dest, packed, any};
 }

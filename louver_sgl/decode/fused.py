@@ -128,6 +128,8 @@ class CompiledLayer:
             k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
             float(config.budget if config.policy == "budget" else -1.0), 0.0 if t_static is None else t_static,
             gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction))
+        # the caches (also for the dense fallback) and the config stay referenced: the store's key
+        # holds their id()s, which must not be reused while the entry lives
         self.plan_key, self.k_cache, self.v_cache, self.sigma, self.config = plan_key, k_cache, v_cache, sigma, config
 
     def run(self, q, plan: DecodePlan, cpu: tuple, out=None):
