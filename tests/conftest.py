@@ -49,3 +49,34 @@ def make_paged(lens, page_size, h_kv, dim, seed=0, dtype=torch.float32, spare_pa
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[torch.Tensor]:
+    """The keys the compiled grid step attends at ``thresholds`` ``[B, H_q]`` (no value gate): per
+    request a bool mask ``[H_q, L]``, True for the dense part and, per GQA group, for every token
+    of the indexed pages that some head of the group keeps by its page bound and its int8 token
+    bound (``int8_token_bounds_reference``, the bounds the kernel gates with)."""
+    from louver_sgl.decode.fused import int8_token_bounds_reference
+    from louver_sgl.decode.plan import plan_decode
+
+    config, size = store.config, store.page_size
+    h_kv = store.num_kv_heads
+    heads = q.shape[1]
+    groups = heads // h_kv
+    plan = plan_decode(page_table, seq_lens, config)
+    rows = q.float().view(q.shape[0], h_kv, groups, -1)[plan.page_req]
+    bounds = store.page_bounds(rows, plan.page_ids)
+    codes = store.tensors["codes"].view(store.num_pages, size, h_kv, -1)[plan.page_ids]
+    tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits)  # [n, P, H_kv, G]
+    t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
+    keep = (~(bounds.page_bound.unsqueeze(1) < t)) & ~(tok < t)
+    union = keep.any(-1)  # [n, P, H_kv]
+    masks = []
+    for b, n in enumerate(seq_lens.tolist()):
+        mask = torch.ones(heads, n, dtype=torch.bool)
+        logical = {int(p): i for i, p in enumerate(page_table[b].tolist()[: -(-n // size)])}
+        for row in (plan.page_req == b).nonzero()[:, 0].tolist():
+            start = logical[int(plan.page_ids[row])] * size
+            mask[:, start: start + size] = union[row].t().repeat_interleave(groups, 0)
+        masks.append(mask)
+    return masks

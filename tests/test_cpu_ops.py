@@ -10,7 +10,10 @@ import torch
 from conftest import make_paged
 from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
-from louver_sgl.decode.fused import chunk_totals_reference, compiled_exact_part, merge_reference, step_stats_reference
+from louver_sgl.decode.fused import (
+    certified_threshold_reference, chunk_totals_reference, compiled_exact_part, int8_token_bounds_reference,
+    merge_reference, step_stats_reference,
+)
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.step import StepStats, exact_part
 
@@ -218,30 +221,94 @@ def test_merge_matches_torch(dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits,page_size,dim", [(8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64)])
-def test_grid_bounds_match_torch_bounds_and_enclose_scores(bits, page_size, dim):
-    """Compiled fp32 page/token bounds (16-token blocks, per-token tail, 2-bit fallback) equal the
-    torch bounds up to fp32 rounding and are >= every fp64 exact score."""
+def _run_certified(q, plan, store, ref, z_lb, sigma, eps):
+    """The op with every output (token and page bounds included) in a dict."""
+    n, heads, batch, size = len(plan.page_ids), q.shape[1], q.shape[0], store.page_size
+    out = dict(hist=torch.empty(batch, heads, th.EDGE_COUNT + 2, dtype=torch.float64),
+               habs=torch.empty(batch, heads, th.EDGE_COUNT + 2, dtype=torch.float64), t=torch.empty(batch, heads),
+               cert=torch.empty(batch, heads, dtype=torch.float64), tok=torch.empty(n, size, heads),
+               pb=torch.empty(n, heads))
+    meta = store.tensors
+    OPS.certified_threshold(q, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
+                            meta["codes"], ref, z_lb, sigma, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING,
+                            store.config.grid_bits, size, *out.values())
+    return out
+
+
+def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0):
     from louver_sgl import PageIndexStore
 
-    cfg = LouverConfig(page_size=page_size, grid_bits=bits)
+    cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
     h_kv, groups = 2, 3
-    k, _, table, lens = make_paged([300, 129], page_size, h_kv, dim, seed=11)
+    k, _, table, lens = make_paged([300, 700, 129], page_size, h_kv, dim, seed=11, dtype=dtype)
     store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
     store.build_pages(k, torch.arange(store.num_pages))
-    q = torch.randn(2, h_kv * groups, dim, generator=torch.Generator().manual_seed(12)) * 2
+    q = torch.randn(3, h_kv * groups, dim, generator=torch.Generator().manual_seed(12)) * scale
     plan = plan_decode(table, lens, cfg)
-    n = len(plan.page_ids)
-    tok = torch.empty(n, page_size, h_kv * groups)
-    pb = torch.empty(n, h_kv * groups)
-    meta = store.tensors
-    OPS.grid_bounds(q, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"], meta["codes"],
-                    bits, page_size, tok, pb)
-    rows = q.view(2, h_kv, groups, dim)[plan.page_req]
+    sigma = 1 / math.sqrt(dim)
+    ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
+    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, eps)
+    return cfg, k, q, plan, store, ex, sigma, out
+
+
+@pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64),
+                                                (4, 16, 96)])
+def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim):
+    """The op's token bounds (VNNI 16-token blocks with 4- and 8-bit codes, the per-token path for
+    pages of 8, no VNNI for 2 bits and D = 96) equal the torch int8 bounds up to fp32 rounding,
+    its page bounds the store's, and both are >= every fp64 exact score."""
+    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=1e-2)
+    n, h_kv = len(plan.page_ids), 2
+    rows = q.view(3, h_kv, 3, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    want_tok = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
-    torch.testing.assert_close(tok, want_tok, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(pb, bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
+    codes = store.tensors["codes"].view(store.num_pages, page_size, h_kv, -1)[plan.page_ids]
+    want = int8_token_bounds_reference(*bounds.terms, codes, bits).reshape(n, page_size, -1)
+    torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
     slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
     exact = torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(n, page_size, -1)
-    assert bool((tok.double() >= exact).all())
+    assert bool((out["tok"].double() >= exact).all())
+    assert bool((out["pb"].double()[:, None, :] >= exact).all())
+    fp32_bounds = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
+    assert bool((out["tok"] >= fp32_bounds - 1e-3).all())  # int8 weights only loosen the bound
+
+
+@pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 8, 64), (2, 16, 64)])
+@pytest.mark.parametrize("eps", [1e-1, 1e-3])
+def test_certified_threshold_matches_reference(bits, page_size, dim, eps):
+    """Histograms of the op's bounds equal the torch specification's (exp_ps16 masses are upper
+    bounds within 2^-15), and T and the certificate are the largest edge whose bound fits."""
+    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=eps)
+    args = (out["pb"], out["tok"], plan.page_req, ex.ref, ex.z_lb, sigma, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
+    t_ref, cert_ref, hist_ref, habs_ref = certified_threshold_reference(*args)
+    assert bool((out["habs"] >= habs_ref * (1 - 1e-12)).all())
+    torch.testing.assert_close(out["habs"], habs_ref, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(out["hist"].cumsum(-1), hist_ref.cumsum(-1), rtol=1e-4, atol=1e-9)
+    bound = (out["hist"].cumsum(-1) + th.HIST_ROUNDING * out["habs"].cumsum(-1))[..., : th.EDGE_COUNT]
+    edge = th.pick_edge(bound, eps * th.BUDGET_SAFETY * ex.z_lb)
+    assert torch.equal(out["t"], th.edge_threshold(edge, ex.ref, sigma))
+    chosen = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
+    assert torch.equal(out["cert"], chosen)
+    assert bool((out["cert"] <= eps * ex.z_lb).all())
+    assert torch.equal(out["t"], t_ref)
+    torch.testing.assert_close(out["cert"], cert_ref, rtol=1e-4, atol=1e-12)
+    assert bool(torch.isfinite(out["t"]).any()) and bool((edge < th.EDGE_COUNT - 1).any())  # a real choice
+
+
+def test_certified_threshold_handles_nan_and_huge_bounds():
+    """A NaN in a query row makes its head's bounds NaN: none of its mass is counted (its keys are
+    kept, never below T); bounds far above ref (x > 80, past exp_ps16's range) take the fp64 exp.
+    The histograms still match the specification's."""
+    cfg, k, q, plan, store, ex, sigma, _ = _certified_case(4, 16, 64, eps=1e-2)
+    q = q.clone()
+    q[1, 4, 7] = float("nan")
+    ref = ex.ref.clone()
+    ref[0, 2] -= 100 / sigma
+    out = _run_certified(q, plan, store, ref, ex.z_lb, sigma, 1e-2)
+    _, _, hist_ref, habs_ref = certified_threshold_reference(
+        out["pb"], out["tok"], plan.page_req, ref, ex.z_lb, sigma, 1e-2 * th.BUDGET_SAFETY, th.HIST_ROUNDING)
+    assert bool(out["tok"][plan.page_req == 1][..., 4].isnan().all())
+    assert bool((out["hist"][1, 4] == 0).all()) and bool((out["habs"][1, 4] == 0).all())
+    assert float(habs_ref[0, 2, th.EDGE_COUNT]) > math.exp(80)  # huge masses past the last edge
+    torch.testing.assert_close(out["habs"], habs_ref, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(out["hist"].cumsum(-1), hist_ref.cumsum(-1), rtol=1e-4, atol=1e-9)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_paged
+from conftest import compiled_attended, make_paged
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
@@ -68,7 +68,8 @@ BACKENDS = [("grid", "torch"), ("grid", "cpp"), ("clustered", "torch")]
 @pytest.mark.parametrize("policy", ["certified", "budget", "fixed", "dense"])
 @pytest.mark.parametrize("value_gate", [True, False])
 def test_fast_path_matches_reference(family, backend, policy, value_gate):
-    """The fast step (torch or compiled) equals the per-request reference: T, counts, output."""
+    """The fast step (torch or compiled) equals the per-request reference: T, counts, output. (The
+    compiled certified step chooses T from its own int8 bounds: its attended set is checked.)"""
     cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy=policy, eps=0.05,
                        fixed_threshold=4.0, budget=0.1, sample_size=32, value_gate=value_gate,
                        dense_fallback_fraction=1.0)
@@ -76,6 +77,15 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
     sigma = 1 / math.sqrt(64)
     out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=3)
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
+    if backend == "cpp" and policy == "certified":
+        # T is counted from the int8 token bounds the kernel gates with (test_cpu_ops checks the
+        # choice); here: the attended set is what those bounds keep at T, attended exactly
+        attended = compiled_attended(q, k, table, lens, store, stats.threshold)
+        counts = torch.stack([m.sum(1) for m in attended]) - (lens - stats.num_indexed)[:, None]
+        assert torch.equal(counts, stats.candidates) and bool(torch.isfinite(stats.threshold).any())
+        want = _masked_dense(q, k, v, table, lens, sigma, 16, attended)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+        return
     t_ref = torch.stack([i["threshold"] for i in info])
     finite = torch.isfinite(t_ref)
     assert bool((torch.isfinite(stats.threshold) == finite).all())
@@ -144,6 +154,18 @@ def test_output_equals_dense_restricted_to_candidates(family, policy):
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
+def _attended(q, k, v, table, lens, store, sigma, backend, stats):
+    """The attended masks of a step without value gate: the reference's for the torch path, for
+    the compiled one the keys its int8 token bounds keep at its own T (which its certificate,
+    counted from the same bounds, covers); checked against the step's candidate counts."""
+    if backend != "cpp":
+        return [i["attended"] for i in reference_decode(q, k, v, table, lens, store, sigma)[1]]
+    masks = compiled_attended(q, k, table, lens, store, stats.threshold)
+    counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
+    assert torch.equal(counts, stats.candidates)
+    return masks
+
+
 @pytest.mark.parametrize("family,backend", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -154,14 +176,14 @@ def test_certified_bound_holds(family, backend, eps, dtype):
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=5)
     sigma = 3 / math.sqrt(64)  # sharper softmax: more pruning happens
     out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=5)
-    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    attended = _attended(q, k, v, table, lens, store, sigma, backend, stats)
     dense = _dense_rows(q, k, v, table, lens, sigma, 16)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         slots = table[b, pos // 16] * 16 + pos % 16
         s = sigma * torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(3, 1))
         p = torch.softmax(s, dim=1)
-        dropped = (p * ~info[b]["attended"]).sum(1)
+        dropped = (p * ~attended[b]).sum(1)
         assert bool((dropped <= stats.mass_bound[b] + 1e-12).all())
         assert bool((stats.mass_bound[b] < eps).all())
         vmax = v[slots].double().norm(dim=-1).max()

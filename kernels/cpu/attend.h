@@ -146,9 +146,7 @@ struct ChunkRunner {
     uint32_t cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
-      // off + step·acc with the same fp32 operations (and rounding) as the per-token loop
-      const __m512 ub = _mm512_add_ps(_mm512_set1_ps(off[g]),
-                                      _mm512_mul_ps(_mm512_set1_ps(step[g]), _mm512_cvtepi32_ps(dots[g])));
+      const __m512 ub = token_bounds16(off[g], step[g], dots[g]);
       const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
       if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
@@ -180,7 +178,7 @@ struct ChunkRunner {
       bool cand = false;
       for (int64_t g = 0; g < G; ++g) {
         if (!keep_page[g]) continue;
-        const float ub = off[g] + step[g] * static_cast<float>(idot[g]);
+        const float ub = token_bound(off[g], step[g], idot[g]);
         if (ub < a.t[head0 + g]) {
           ++drop_count[g];
           drop_max[g] = std::max(drop_max[g], ub);

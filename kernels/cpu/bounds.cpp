@@ -1,153 +1,284 @@
-// Bound passes of the certified threshold (grid family): page and token upper bounds of every
-// indexed page, the histogram of their masses over the fixed levels, and the exact recount of the
-// mass dropped at the chosen T.
+// The certified threshold of the grid family in one pass over the codes: per (request, query
+// head) the histogram of the mass dropped at each threshold edge, from the same int8 token bounds
+// the attend pass gates with, then T = the largest edge whose certified mass fits eps·Z_lb.
+// Specification: louver_sgl.decode.fused.certified_threshold_reference.
 
 #include "common.h"
 #include "ops.h"
 
 using namespace louver_cpu;
 
-// Page and token upper bounds of a batch of pages, straight from the queries.
-// q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype);
-// codes [slots, H_kv, bytes] u8 -> tok [n, P, H_kv, G] f32, pb [n, H_kv, G] f32.
-void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
-                 torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, int64_t bits,
-                 int64_t page_size, torch::Tensor tok, torch::Tensor pb) {
-  const int64_t n = page_ids.size(0), h_kv = lo.size(1), D = lo.size(2);
-  const int64_t h_q = q.size(1), G = h_q / h_kv, bytes = codes.size(2);
-  const float* qp = q.data_ptr<float>();
-  const int64_t* pid = page_ids.data_ptr<int64_t>();
-  const int64_t* preq = page_req.data_ptr<int64_t>();
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  float* tp = tok.data_ptr<float>();
-  float* pbp = pb.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lo.scalar_type(), "grid_bounds", [&] {
-    const scalar_t* lp = lo.data_ptr<scalar_t>();
-    const scalar_t* sp = scale.data_ptr<scalar_t>();
-    const scalar_t* rp = radius.data_ptr<scalar_t>();
-    at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(D), w(G * D), wr(G * D), off(G), book(3 * D), codes16(16 * D);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / h_kv, k = task % h_kv, meta = (pid[i] * h_kv + k) * D;
-        load_codebook(lp + meta, sp + meta, rp + meta, D, book.data());
-        page_terms(qp + (preq[i] * h_q + k * G) * D, book.data(), book.data() + D, book.data() + 2 * D,
-                   G, D, bits, w.data(), off.data(), pbp + (i * h_kv + k) * G);
-        int64_t p = 0;
-#if defined(__AVX512F__)
-        if (bits == 8 || bits == 4) {
-          for (int64_t g = 0; g < G; ++g) nibble_order(w.data() + g * D, bits, D, 32, wr.data() + g * D);
-          for (; p + 16 <= page_size; p += 16)
-            bounds_block16(c + ((pid[i] * page_size + p) * h_kv + k) * bytes, h_kv * bytes, bits, D, wr.data(),
-                           off.data(), G, codes16.data(), tp + ((i * page_size + p) * h_kv + k) * G, h_kv * G);
-        }
-#endif
-        for (; p < page_size; ++p) {
-          const int64_t slot = pid[i] * page_size + p;
-          unpack_row(c + (slot * h_kv + k) * bytes, static_cast<int>(bits), static_cast<int>(D), row.data());
-          float* dst = tp + ((i * page_size + p) * h_kv + k) * G;
-          for (int64_t g = 0; g < G; ++g) dst[g] = off[g] + dot(row.data(), w.data() + g * D, static_cast<int>(D));
-        }
-      }
-    });
-  });
-}
+namespace {
 
 // Levels (louver_sgl/decode/threshold.py): edge j = kEdgeLow + kEdgeStep·j, j < kEdgeCount, in units
 // of σ·(T − ref). A unit's bin is the number of edges <= its x = σ·(bound − ref) (NaN: past the end).
-constexpr double kEdgeLow = -48.0, kEdgeStep = 0.25;
-constexpr int64_t kEdgeCount = 257;
+constexpr double kEdgeLow = -48.0, kEdgeStep = 0.25, kEdgeMargin = 1e-6;
+constexpr int64_t kEdgeCount = 257, kHistWidth = kEdgeCount + 2;
 
-inline int64_t edge_bin(double x) {
+int64_t edge_bin(double x) {
   if (std::isnan(x)) return kEdgeCount;
   if (x < kEdgeLow) return 0;
   const double j = std::floor((x - kEdgeLow) / kEdgeStep);
   return j >= kEdgeCount - 1 ? kEdgeCount : static_cast<int64_t>(j) + 1;
 }
 
-// Page slices per head for the certified passes: enough (head, slice) tasks for every thread to
-// get several, so that one head with more work does not leave a core idle.
-inline int64_t page_slices(int64_t n_pages, int64_t heads) {
-  const int64_t want = (4 * at::get_num_threads() + heads - 1) / heads;
-  return std::max<int64_t>(1, std::min<int64_t>(n_pages, want));
-}
+// Upper bound of e^x (x at most 700, as the specification clamps; at least −700: no underflow): glibc's exp is within 1 ulp,
+// so scaling by (1 + 2^-50) rounds up. (An fp32 exp of x rounded to fp32 errs by up to |x|·2^-24.)
+double exp_up(double x) { return std::exp(std::clamp(x, -700.0, 700.0)) * (1.0 + 0x1p-50); }
 
-// Upper bound of e^x: glibc's expf is within 1 ulp, so scaling by (1 + 2^-21) rounds up.
-inline double exp_up(double x) {
-  if (x > 80.0) return std::exp(std::min(x, 700.0)) * (1.0 + 1e-12);
-  return static_cast<double>(std::exp(static_cast<float>(x))) * (1.0 + 4.76837158203125e-07);
-}
+// The histogram of one (request, query head), in three parts so that the absolute terms need no
+// second scatter: tokens' masses at their bins (all positive), pages' P·e^{x_page} and the sums of
+// their counted tokens' masses, both at the page's bin. hist = tok + page − covered, and the
+// absolute terms = tok + page + covered, with tok and covered scaled by kMassUp (exp_ps16's
+// masses become upper bounds; exp_up's stay ones).
+struct HistRows {
+  double* tok;
+  double* page;
+  double* covered;
+};
 
-// hist [B, H_q, kEdgeCount + 2] f64 (zeroed by the caller): pages add P·e^{x_page} at their bin,
-// tokens e^{x_tok} over [bin_tok, bin_page) as a +/- pair (see filter._certified_mass).
-// tok [NP, P, H_q], pb [NP, H_q] f32; page_req [NP] i64; ref [B, H_q] f32.
-void certified_hist(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref,
-                    double sigma, torch::Tensor hist) {
-  const int64_t n = tok.size(0), P = tok.size(1), H = tok.size(2), W = kEdgeCount + 2;
-  const float* tp = tok.data_ptr<float>();
-  const float* pp = pb.data_ptr<float>();
-  const int64_t* req = page_req.data_ptr<int64_t>();
-  const float* rp = ref.data_ptr<float>();
-  const int64_t rows = hist.size(0) * H, S = page_slices(n, H);
-  std::vector<double> part(S * rows * W, 0.0);  // one histogram per page slice, summed below
-  at::parallel_for(0, H * S, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % H, slice = task / H;
-      for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
-        const double r = rp[req[i] * H + h];
-        const float page = pp[i * H + h];
-        const double xp = sigma * (double(page) - r);
-        const int64_t bp = edge_bin(xp);
-        double* row = part.data() + (slice * rows + req[i] * H + h) * W;
-        if (!std::isnan(xp)) row[bp] += double(P) * exp_up(xp);
-        for (int64_t p = 0; p < P; ++p) {
-          const float u = std::min(tp[(i * P + p) * H + h], page);  // NaN page keeps NaN
-          const double xu = sigma * (double(u) - r);
-          const int64_t bu = edge_bin(xu);
-          if (bu >= bp) continue;
-          const double e = exp_up(xu);
-          row[bu] += e;
-          row[bp] -= e;
+// One page and KV head: the int8 token weights of its G query heads, exactly as the attend pass
+// builds them (ChunkRunner::open_page), then every token's bound into the histograms.
+struct PageScan {
+  int64_t G, D, bits, P, bytes, h_kv;
+  double sigma;
+  std::vector<float> book, w, off, pb, step, tok_sum;
+  std::vector<int8_t> wq, wsplit, wsplit8;
+  std::vector<uint8_t> page_codes;
+  std::vector<int64_t> page_bin;
+
+  PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, int64_t bytes_, int64_t h_kv_, double sigma_)
+      : G(G_), D(D_), bits(bits_), P(P_), bytes(bytes_), h_kv(h_kv_), sigma(sigma_), book(3 * D_), w(G_ * D_),
+        off(G_), pb(G_), step(G_), tok_sum(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
+        page_codes(P_ * D_), page_bin(G_) {}
+
+  bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
+
+  template <typename M>
+  void open(const float* q, const M* lo, const M* sc, const M* rad) {
+    load_codebook(lo, sc, rad, D, book.data());
+    page_terms(q, book.data(), book.data() + D, book.data() + 2 * D, G, D, bits, w.data(), off.data(), pb.data());
+    for (int64_t g = 0; g < G; ++g) {
+      off[g] += quantize_weights(w.data() + g * D, D, bits, wq.data() + g * D, &step[g]);
+      if (vnni()) {
+        nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
+        if (bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
+      }
+    }
+  }
+
+  // Page masses at their bins; resets the sums of the page's counted tokens.
+  void add_pages(const float* ref, const HistRows* rows) {
+    for (int64_t g = 0; g < G; ++g) {
+      const double x = sigma * (double(pb[g]) - double(ref[g]));
+      page_bin[g] = edge_bin(x);
+      if (!std::isnan(x)) rows[g].page[page_bin[g]] += double(P) * exp_up(x);
+      tok_sum[g] = 0.f;
+    }
+  }
+
+#if defined(__AVX512F__)
+  // add_token for 16 tokens: bins from fp64 x as edge_bin, masses from exp_ps16 (x above 80:
+  // exp_up; the merge scales every token mass by kMassUp), scattered one counted lane at a time.
+  void add_tokens16(int64_t g, __m512 ub, double ref, const HistRows& row, double& sum) const {
+    const __mmask16 nan = _mm512_cmp_ps_mask(ub, ub, _CMP_UNORD_Q);
+    const __m512 u = _mm512_mask_mov_ps(_mm512_min_ps(ub, _mm512_set1_ps(pb[g])), nan, ub);  // NaN if either is
+    const __m512d s = _mm512_set1_pd(sigma), r = _mm512_set1_pd(ref), low = _mm512_set1_pd(kEdgeLow);
+    alignas(64) double x[16], mass[16];
+    alignas(64) int32_t bin[16];
+    __m256i bins[2];
+    __m256 xs[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 uh = h ? _mm512_extractf32x8_ps(u, 1) : _mm512_castps512_ps256(u);
+      const __m512d xd = _mm512_mul_pd(s, _mm512_sub_pd(_mm512_cvtps_pd(uh), r));
+      _mm512_store_pd(x + 8 * h, xd);
+      const __m512d j = _mm512_add_pd(
+          _mm512_roundscale_pd(_mm512_mul_pd(_mm512_sub_pd(xd, low), _mm512_set1_pd(1.0 / kEdgeStep)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+          _mm512_set1_pd(1.0));
+      const __m512d clamped = _mm512_min_pd(_mm512_max_pd(j, _mm512_setzero_pd()), _mm512_set1_pd(kEdgeCount));
+      const __mmask8 ord = _mm512_cmp_pd_mask(xd, xd, _CMP_ORD_Q);
+      bins[h] = _mm512_cvtpd_epi32(_mm512_mask_mov_pd(_mm512_set1_pd(kEdgeCount), ord, clamped));
+      xs[h] = _mm512_cvtpd_ps(xd);
+    }
+    const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(bins[0]), bins[1], 1);
+    const __mmask16 below = _mm512_cmp_epi32_mask(b, _mm512_set1_epi32(static_cast<int32_t>(page_bin[g])), _MM_CMPINT_LT);
+    if (!below) return;
+    const __m512 x32 = _mm512_insertf32x8(_mm512_castps256_ps512(xs[0]), xs[1], 1);
+    const __m512 e = exp_ps16(_mm512_max_ps(x32, _mm512_set1_ps(-87.f)));
+    _mm512_store_pd(mass, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    _mm512_store_pd(mass + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+    _mm512_store_si512(bin, b);
+    for (uint32_t big = _mm512_cmp_ps_mask(x32, _mm512_set1_ps(80.f), _CMP_GT_OQ) & below; big; big &= big - 1)
+      mass[__builtin_ctz(big)] = exp_up(x[__builtin_ctz(big)]);
+    double* tok = row.tok;  // locals: through ``row`` and ``sum`` each add waited on the last store
+    double added = 0.0;
+    for (uint32_t m = below; m; m &= m - 1) {
+      const int l = __builtin_ctz(m);
+      tok[bin[l]] += mass[l];
+      added += mass[l];
+    }
+    sum += added;
+  }
+#endif
+
+  // Token p of the page with bound ub for head g: counted at its bin when below the page's bin.
+  void add_token(int64_t g, float ub, double ref, const HistRows& row, double& sum) const {
+    const float u = (std::isnan(ub) || std::isnan(pb[g])) ? NAN : std::min(ub, pb[g]);
+    const double x = sigma * (double(u) - ref);
+    const int64_t bin = edge_bin(x);
+    if (bin >= page_bin[g]) return;  // NaN: past the last edge, never below the page
+    const double e = exp_up(x);
+    row.tok[bin] += e;
+    sum += e;
+  }
+
+  // The page's tokens (codes of its first slot at ``codes``; token bounds also into tok_out when
+  // given, [P, ...] rows ``tok_stride`` floats apart, G heads each).
+  void scan(const uint8_t* codes, int64_t k, const float* ref, const HistRows* rows, float* tok_out,
+            int64_t tok_stride) {
+    std::vector<double> sums(G, 0.0);
+    int64_t p = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (vnni() && P % 16 == 0) {
+      alignas(64) float ub[16];
+      __m512i dots[8];
+      for (; p + 16 <= P; p += 16) {
+        const uint8_t* block = codes + (p * h_kv + k) * bytes;
+        if (bits == 4) {
+          dot_block16_vnni4(block, h_kv * bytes, D, wsplit8.data(), G, dots);
+        } else {
+          dot_block16_vnni(block, h_kv * bytes, bits, D, wsplit.data(), G, dots);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 bound = token_bounds16(off[g], step[g], dots[g]);
+          add_tokens16(g, bound, ref[g], rows[g], sums[g]);
+          if (tok_out) {
+            _mm512_store_ps(ub, bound);
+            for (int t = 0; t < 16; ++t) tok_out[(p + t) * tok_stride + g] = ub[t];
+          }
         }
       }
     }
+#endif
+    if (p < P && !vnni()) unpack_page(codes, h_kv, k, bytes, bits, P, D, page_codes.data());
+    std::vector<int32_t> idot(G);
+    for (; p < P; ++p) {
+      if (vnni()) {
+        dot_token_vnni(codes + (p * h_kv + k) * bytes, bits, D, wsplit.data(), G, idot.data());
+      } else {
+        for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float ub = token_bound(off[g], step[g], idot[g]);
+        add_token(g, ub, ref[g], rows[g], sums[g]);
+        if (tok_out) tok_out[p * tok_stride + g] = ub;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) rows[g].covered[page_bin[g]] += sums[g];
+  }
+};
+
+// Page slices for the bound pass: several per thread, so that the cores finish together.
+int64_t page_slices(int64_t n_pages) { return std::max<int64_t>(1, std::min<int64_t>(n_pages, 8 * at::get_num_threads())); }
+
+// fp32 T of edge j for reference score ref (threshold.edge_threshold): just under the edge,
+// rounded down; −inf for j < 0 or a non-finite ref.
+float edge_threshold(int64_t j, float ref, double sigma) {
+  if (j < 0 || !std::isfinite(ref)) return -INFINITY;
+  const double t = double(ref) + (kEdgeLow + kEdgeStep * double(j) - kEdgeMargin) / sigma;
+  float t32 = static_cast<float>(t);
+  if (double(t32) > t) t32 = std::nextafter(t32, -INFINITY);
+  return t32;
+}
+
+}  // namespace
+
+// q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype); codes
+// [slots, H_kv, bytes] u8; ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64
+// safety factor; rounding: relative bound on the histograms' fp64 rounding.
+// -> hist, habs [B, H_q, kEdgeCount + 2] f64 (the histogram and its absolute terms; the dropped mass
+// at edge j is cumsum(hist)[j] + rounding·cumsum(habs)[j]), t [B, H_q] f32, certificate [B, H_q] f64
+// (that mass at the chosen edge, relative to ref; 0 where T = −inf). tok [n, P, H_q] f32 and pb
+// [n, H_q] f32: the int8 token bounds and the page bounds, written when not empty (for tests).
+void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
+                         torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, torch::Tensor ref,
+                         torch::Tensor z_lb, double sigma, double eps_budget, double rounding, int64_t bits,
+                         int64_t page_size, torch::Tensor hist, torch::Tensor habs, torch::Tensor t,
+                         torch::Tensor certificate, torch::Tensor tok, torch::Tensor pb) {
+  const int64_t n = page_ids.size(0), h_kv = lo.size(1), D = lo.size(2), B = ref.size(0);
+  const int64_t h_q = q.size(1), G = h_q / h_kv, bytes = codes.size(2), P = page_size;
+  TORCH_CHECK(q.is_contiguous() && ref.is_contiguous() && z_lb.is_contiguous() && hist.is_contiguous() &&
+                  habs.is_contiguous() && t.is_contiguous() && certificate.is_contiguous(),
+              "certified_threshold: q, ref, z_lb and the outputs must be contiguous");
+  TORCH_CHECK(hist.numel() == B * h_q * kHistWidth && habs.numel() == hist.numel(),
+              "certified_threshold: hist and habs must be [B, H_q, ", kHistWidth, "]");
+  const bool with_bounds = tok.numel() > 0;
+  TORCH_CHECK(!with_bounds || (tok.numel() == n * P * h_q && pb.numel() == n * h_q),
+              "certified_threshold: tok must be [n, P, H_q] and pb [n, H_q]");
+  const float* qp = q.data_ptr<float>();
+  const int64_t* pid = page_ids.data_ptr<int64_t>();
+  const int64_t* preq = page_req.data_ptr<int64_t>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* rp = ref.data_ptr<float>();
+  float* tok_out = with_bounds ? tok.data_ptr<float>() : nullptr;
+  float* pb_out = with_bounds ? pb.data_ptr<float>() : nullptr;
+  const int64_t rows = B * h_q, S = page_slices(n), W = kHistWidth;
+  std::vector<double> part(3 * S * rows * W, 0.0);  // per slice: tok, page, covered rows
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lo.scalar_type(), "certified_threshold", [&] {
+    const scalar_t* lp = lo.data_ptr<scalar_t>();
+    const scalar_t* sp = scale.data_ptr<scalar_t>();
+    const scalar_t* radp = radius.data_ptr<scalar_t>();
+    at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+      PageScan scan(G, D, bits, P, bytes, h_kv, sigma);
+      std::vector<HistRows> hr(G);
+      for (int64_t slice = begin; slice < end; ++slice) {
+        double* base = part.data() + 3 * slice * rows * W;
+        for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
+          const uint8_t* page_codes = c + pid[i] * P * h_kv * bytes;
+          for (int64_t k = 0; k < h_kv; ++k) {
+            const int64_t head0 = preq[i] * h_q + k * G, meta = (pid[i] * h_kv + k) * D;
+            for (int64_t g = 0; g < G; ++g) {
+              double* row = base + (head0 + g) * 3 * W;
+              hr[g] = HistRows{row, row + W, row + 2 * W};
+            }
+            scan.open(qp + head0 * D, lp + meta, sp + meta, radp + meta);
+            scan.add_pages(rp + head0, hr.data());
+            scan.scan(page_codes, k, rp + head0, hr.data(), with_bounds ? tok_out + i * P * h_q + k * G : nullptr, h_q);
+            if (pb_out)
+              for (int64_t g = 0; g < G; ++g) pb_out[i * h_q + k * G + g] = scan.pb[g];
+          }
+        }
+      }
+    });
   });
   double* hp = hist.data_ptr<double>();
-  for (int64_t slice = 0; slice < S; ++slice)
-    for (int64_t j = 0; j < rows * W; ++j) hp[j] += part[slice * rows * W + j];
-}
-
-// Mass dropped at thresholds t [B, H_q]: pages with pb < t (P·e^{x}), and in the other pages the
-// tokens with min(tok, pb) < t (e^{x}); NaN bounds are kept. -> out [B, H_q] f64 (zeroed by caller).
-void certified_dropped(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref,
-                       torch::Tensor t, double sigma, torch::Tensor out) {
-  const int64_t n = tok.size(0), P = tok.size(1), H = tok.size(2);
-  const float* tp = tok.data_ptr<float>();
-  const float* pp = pb.data_ptr<float>();
-  const int64_t* req = page_req.data_ptr<int64_t>();
-  const float* rp = ref.data_ptr<float>();
-  const float* thr = t.data_ptr<float>();
-  const int64_t rows = out.numel(), S = page_slices(n, H);
-  std::vector<double> part(S * rows, 0.0);
-  at::parallel_for(0, H * S, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % H, slice = task / H;
-      for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
-        const int64_t rh = req[i] * H + h;
-        const float page = pp[i * H + h];
-        const double r = rp[rh];
-        double& acc = part[slice * rows + rh];
-        if (page < thr[rh]) {
-          acc += double(P) * exp_up(sigma * (double(page) - r));
-          continue;
-        }
-        for (int64_t p = 0; p < P; ++p) {
-          const float u = std::min(tp[(i * P + p) * H + h], page);
-          if (u < thr[rh]) acc += exp_up(sigma * (double(u) - r));
-        }
+  double* ap = habs.data_ptr<double>();
+  const double* zp = z_lb.data_ptr<double>();
+  float* tp = t.data_ptr<float>();
+  double* cp = certificate.data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r) {
+    double cum = 0.0, cum_abs = 0.0, cert = 0.0;
+    int64_t edge = -1;
+    for (int64_t j = 0; j < W; ++j) {
+      double tk = 0.0, pg = 0.0, cov = 0.0;
+      for (int64_t slice = 0; slice < S; ++slice) {
+        const double* row = part.data() + (3 * slice * rows + 3 * r) * W;
+        tk += row[j];
+        pg += row[W + j];
+        cov += row[2 * W + j];
+      }
+      hp[r * W + j] = tk * kMassUp + pg - cov * kMassUp;
+      ap[r * W + j] = tk * kMassUp + pg + cov * kMassUp;
+      cum += hp[r * W + j];
+      cum_abs += ap[r * W + j];
+      const double bound = cum + rounding * cum_abs;
+      if (j < kEdgeCount && bound <= eps_budget * zp[r]) {
+        edge = j;
+        cert = bound;
       }
     }
-  });
-  double* op = out.data_ptr<double>();
-  for (int64_t slice = 0; slice < S; ++slice)
-    for (int64_t j = 0; j < rows; ++j) op[j] += part[slice * rows + j];
+    tp[r] = edge_threshold(edge, rp[r], sigma);
+    cp[r] = edge < 0 ? 0.0 : cert;
+  }
 }

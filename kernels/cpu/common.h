@@ -67,26 +67,6 @@ inline void load_f32(const c10::BFloat16* src, int64_t n, float* dst) {
   }
 }
 
-// Unpack one token's packed codes [bytes] into floats [dim].
-inline void unpack_row(const uint8_t* src, int bits, int dim, float* dst) {
-  if (bits == 8) {
-    for (int d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
-  } else if (bits == 4) {
-    for (int j = 0; j < dim / 2; ++j) {
-      dst[2 * j] = static_cast<float>(src[j] & 0xF);
-      dst[2 * j + 1] = static_cast<float>(src[j] >> 4);
-    }
-  } else {  // 2 bits
-    for (int j = 0; j < dim / 4; ++j) {
-      const uint8_t b = src[j];
-      dst[4 * j] = static_cast<float>(b & 3);
-      dst[4 * j + 1] = static_cast<float>((b >> 2) & 3);
-      dst[4 * j + 2] = static_cast<float>((b >> 4) & 3);
-      dst[4 * j + 3] = static_cast<float>(b >> 6);
-    }
-  }
-}
-
 inline float dot(const float* a, const float* b, int n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -206,6 +186,17 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   // of s·wq and of step·acc.
   return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
 }
+
+// A token's int8 bound from its integer dot: off + step·dot. The attend pass gates with it and the
+// certified threshold's histogram counts it: both must round it the same way.
+inline float token_bound(float off, float step, int32_t dot) { return off + step * static_cast<float>(dot); }
+
+#if defined(__AVX512F__)
+// token_bound of 16 tokens, with the same fp32 operations.
+inline __m512 token_bounds16(float off, float step, __m512i dots) {
+  return _mm512_add_ps(_mm512_set1_ps(off), _mm512_mul_ps(_mm512_set1_ps(step), _mm512_cvtepi32_ps(dots)));
+}
+#endif
 
 #if defined(__AVX512F__)
 constexpr bool kHaveAvx512 = true;
@@ -364,7 +355,7 @@ inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int6
 // Reorder one head's weights [D] to the channel order in which 4-bit codes are unpacked without
 // re-interleaving: per ``block`` channels, the even channels (low nibbles), then the odd ones (high
 // nibbles). Other widths keep channel order. dot_token_vnni / dot_block16_vnni use block 64 (int8
-// weights), dot_block16_vnni4 block 8, code_floats16 block 32 (fp32 weights).
+// weights) and dot_block16_vnni4 block 8.
 template <typename T>
 inline void nibble_order(const T* w, int64_t bits, int64_t D, int64_t block, T* out) {
   if (bits != 4) {
@@ -514,36 +505,6 @@ inline double mass_lower(const float* src, int64_t stride, int64_t n, float sigm
     sum += double(exp_sum_low16(x, nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1)));
   }
   return sum * kMassDown;
-}
-
-// Codes of one token as fp32, 16 channels (group j of the nibble_order) at a time.
-inline __m512 code_floats16(const uint8_t* packed, int64_t bits, int64_t j) {
-  if (bits == 8)
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * j))));
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * (j / 2)));
-  const __m128i nib = j % 2 ? _mm_srli_epi16(x, 4) : x;
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F))));
-}
-
-// fp32 token bounds off[g] + Σ_d w_g[d]·c_t[d] of 16 consecutive tokens (rows ``stride`` bytes apart
-// from ``first``); dst[t·dst_stride + g]. codes16 [16, D] is scratch. The summation order differs
-// from the per-token loop; the slack in off covers fp32 rounding of the sum in any order.
-inline void bounds_block16(const uint8_t* first, int64_t stride, int64_t bits, int64_t D, const float* wr,
-                           const float* off, int64_t G, float* codes16, float* dst, int64_t dst_stride) {
-  for (int t = 0; t < 16; ++t)
-    for (int64_t j = 0; j < D / 16; ++j) _mm512_storeu_ps(codes16 + t * D + 16 * j, code_floats16(first + t * stride, bits, j));
-  __m512 v[16];
-  alignas(64) float sums[16];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int t = 0; t < 16; ++t) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D / 16; ++j)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(codes16 + t * D + 16 * j), _mm512_loadu_ps(wr + g * D + 16 * j), acc);
-      v[t] = acc;
-    }
-    _mm512_store_ps(sums, lane_sums16_ps(v));
-    for (int t = 0; t < 16; ++t) dst[t * dst_stride + g] = off[g] + sums[t];
-  }
 }
 
 #endif

@@ -3,10 +3,8 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("grid_bounds", &grid_bounds, "Louver grid page and token upper bounds (CPU)");
   m.def("grid_sparse_attend", &grid_sparse_attend, "Louver grid filter + sparse attention (CPU)");
-  m.def("certified_hist", &certified_hist, "Louver certified-threshold histogram (CPU)");
-  m.def("certified_dropped", &certified_dropped, "Louver certified dropped-mass recount (CPU)");
+  m.def("certified_threshold", &certified_threshold, "Louver certified threshold from the int8 token bounds (CPU)");
   m.def("exact_part", &exact_part, "Louver exact scores of the dense part and sample, ref and masses (CPU)");
   m.def("merge_chunks", &merge_chunks, "Louver merge of the dense part with the attend kernel's chunks (CPU)");
   m.def("chunk_totals", &chunk_totals, "Louver per-request totals of the attend kernel's chunk outputs (CPU)");

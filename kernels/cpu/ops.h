@@ -6,13 +6,11 @@
 #include <optional>
 #include <tuple>
 
-void grid_bounds(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
-                 torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, int64_t bits, int64_t page_size,
-                 torch::Tensor tok, torch::Tensor pb);
-void certified_hist(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref, double sigma,
-                    torch::Tensor hist);
-void certified_dropped(torch::Tensor tok, torch::Tensor pb, torch::Tensor page_req, torch::Tensor ref,
-                       torch::Tensor t, double sigma, torch::Tensor out);
+void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
+                         torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, torch::Tensor ref,
+                         torch::Tensor z_lb, double sigma, double eps_budget, double rounding, int64_t bits,
+                         int64_t page_size, torch::Tensor hist, torch::Tensor habs, torch::Tensor t,
+                         torch::Tensor certificate, torch::Tensor tok, torch::Tensor pb);
 void grid_sparse_attend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo,
                         torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, torch::Tensor page_ids,
                         torch::Tensor chunk_req, torch::Tensor chunk_begin, torch::Tensor chunk_end, torch::Tensor t,

@@ -6,9 +6,10 @@ gate, an online softmax and the dropped-mass accounting; the chunks' partial sof
 then merged with the dense part. Budget, fixed and dense steps run all of it (exact part and T
 included), the step statistics and the output conversion as one call, ``LayerStep.run``
 (``fused_step`` + ``step_stats``) over a layer side made once per layer (``CompiledLayer``) and a
-plan side made once per forward pass (``StepPlan``); certified steps first run the compiled bound
-passes over every page to choose T (they need the histogram of all token bounds), then the same
-phases as ops. Every compiled phase has its torch specification here or in step.py / threshold.py.
+plan side made once per forward pass (``StepPlan``); certified steps first run one compiled pass over
+every page's codes to choose T (it needs the histogram of all token bounds: the int8 ones the attend
+pass gates with), then the same phases as ops. Every compiled phase has its torch specification
+here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..config import LouverConfig
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .plan import DecodePlan
+from ..index.grid import unpack_codes
 from .segments import seg_sum
 from .step import ExactPart, StepStats, _dense_for, gates_values
 
@@ -87,7 +89,7 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
     index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
     q32 = q.to(torch.float32).contiguous()
     ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
-    t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops)
+    t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops, part)
     part.gate.fill_(float("-inf"))  # certified steps attend every candidate
     ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, part.gate, ex.ref,
                            float(sigma), store.config.grid_bits, store.page_size, *part.attend)
@@ -190,6 +192,14 @@ class _Outputs:
         self.result = torch.empty(batch, heads, d_v)
         self.totals = (torch.empty(batch, heads, 2, dtype=torch.long), torch.empty(batch, 3, dtype=torch.long),
                        torch.empty(batch, heads, 3, dtype=torch.float64))
+        width = th.EDGE_COUNT + 2
+        self.hist = torch.empty(batch, heads, width, dtype=torch.float64)
+        self.habs = torch.empty(batch, heads, width, dtype=torch.float64)
+        self.certificate = torch.empty(batch, heads, dtype=torch.float64)
+
+    @property
+    def certified(self):
+        return self.hist, self.habs, self.t, self.certificate
 
     @property
     def exact(self):
@@ -240,38 +250,72 @@ def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_siz
     return ex, (part.t if budget >= 0 else None)
 
 
-def _certified_threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops):
-    """Certified T ``[B, H_q]`` and the exact index-dropped mass at T.
-
-    T comes from the compiled fp32 page and token bounds; the attend kernel's int8 token bounds
-    are looser, so it keeps a superset and the certificate still holds. (The other policies get
-    their T inside ``fused_step``.)
-    """
-    heads = ex.ref.shape[1]
-    n, size = len(plan.page_ids), store.page_size
-    tok = torch.empty(n, size, heads)
-    pb = torch.empty(n, heads)
+def _certified_threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops,
+                         part: "_Outputs"):
+    """Certified T ``[B, H_q]`` and its certificate (the dropped mass it allows, relative to ref,
+    fp64) from one compiled pass over the codes (``certified_threshold_reference`` is its
+    specification). The histogram counts the attend pass's own int8 token bounds, so every key
+    the attend pass drops is in the certified mass and no recount is needed."""
     meta = store.tensors
-    ops.grid_bounds(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
-                    meta["codes"], store.config.grid_bits, size, tok, pb)
-    return _certified(ops, tok, pb, plan, ex, sigma, config)
+    ops.certified_threshold(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
+                            meta["codes"], ex.ref, ex.z_lb, float(sigma), config.eps * th.BUDGET_SAFETY,
+                            th.HIST_ROUNDING, store.config.grid_bits, store.page_size, *part.certified, _NONE, _NONE)
+    return part.t, part.certificate
 
 
-def _certified(ops, tok, pb, plan: DecodePlan, ex, sigma: float, config: LouverConfig):
-    """Compiled version of ``filter.certified_filter``'s choice of T and its exact recount.
+_NONE = torch.empty(0)  # an optional output the op does not write
 
-    A head whose recount does not fit the budget keeps everything (T = −inf), as in the torch path.
+
+def int8_token_bounds_reference(weights, offset, codes, bits):
+    """The attend pass's int8 token bounds: the specification of the compiled ones.
+
+    Each head's page weights w (``grid_query_terms``) become ``step·wq`` with ``wq`` int8
+    (step = max|w| / 127, rounded to nearest); the bound is offset + slack + step·Σ wq·code with
+    the integer sum exact, where slack covers the channels rounded down (codes are never negative)
+    and fp32 rounding. weights ``[n, H_kv, G, D]``, offset ``[n, H_kv, G]`` fp32; codes ``[n, P,
+    H_kv, B]`` packed -> ``[n, P, H_kv, G]`` fp32.
     """
-    batch, heads = ex.ref.shape
-    hist = torch.zeros(batch, heads, th.EDGE_COUNT + 2, dtype=torch.float64)
-    ops.certified_hist(tok, pb, plan.page_req, ex.ref.contiguous(), float(sigma), hist)
-    budget = config.eps * ex.z_lb * th.BUDGET_SAFETY
-    t = th.edge_threshold(th.pick_edge(hist.cumsum(-1)[..., : th.EDGE_COUNT], budget), ex.ref, sigma)
-    dropped = torch.zeros(batch, heads, dtype=torch.float64)
-    ops.certified_dropped(tok, pb, plan.page_req, ex.ref.contiguous(), t.contiguous(), float(sigma), dropped)
-    bad = dropped > budget
-    t = torch.where(bad, torch.full_like(t, float("-inf")), t)
-    return t, torch.where(bad, torch.zeros_like(dropped), dropped)
+    top = weights.abs().amax(-1, keepdim=True)
+    step = torch.where(top > 0, top / 127.0, torch.ones_like(top))
+    wq = torch.round(weights * (1.0 / step)).clamp(-127, 127)
+    err = (weights - step * wq).clamp(min=0).sum(-1)
+    mag = (step * wq).abs().sum(-1)
+    slack = ((1 << bits) - 1) * (err * (1 + 2.0**-16) + mag * 2.0**-20) + 2.0**-126
+    slack = torch.where(torch.isfinite(top[..., 0]), slack, float("nan"))
+    dots = torch.einsum("npkd,nkgd->npkg", unpack_codes(codes, bits).long(), wq.long())
+    return (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
+
+
+def certified_threshold_reference(pb, tok, page_req, ref, z_lb, sigma: float, eps_budget: float,
+                                  rounding: float):
+    """The specification of the compiled ``certified_threshold`` given its bounds: page bounds
+    ``[NP, H_q]`` and token bounds ``[NP, P, H_q]`` fp32 -> (T ``[B, H_q]`` fp32, certificate
+    ``[B, H_q]`` fp64, hist and habs ``[B, H_q, EDGE_COUNT + 2]`` fp64).
+
+    hist is ``filter._certified_mass``'s histogram (pages whole at their bin, tokens below their
+    page's bin at theirs, minus the same at the page's); habs sums the absolute terms. The mass
+    dropped at edge j is bounded by cumsum(hist)[j] + rounding·cumsum(habs)[j] (fp64 rounding of
+    the sums in any order); T is the largest edge whose bound fits eps_budget·Z_lb.
+    """
+    batch, heads = ref.shape
+    size = tok.shape[1]
+    tok = torch.minimum(tok, pb[:, None, :])
+    x_page, x_tok = th.log_mass(pb, ref[page_req], sigma), th.log_mass(tok, ref[page_req][:, None, :], sigma)
+    b_page, b_tok = th.edge_bins(x_page), th.edge_bins(x_tok)
+    mass_page = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0)
+    mass_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (b_tok < b_page[:, None, :])
+    width = th.EDGE_COUNT + 2
+    seg = (page_req[:, None] * heads + torch.arange(heads)) * width
+    parts = []
+    for index, mass in (((seg + b_page), mass_page), ((seg[:, None, :] + b_tok), mass_tok),
+                        ((seg + b_page), mass_tok.sum(1))):
+        parts.append(torch.zeros(batch * heads * width, dtype=torch.float64).index_add_(
+            0, index.reshape(-1), mass.reshape(-1)).view(batch, heads, width))
+    hist, habs = parts[0] + parts[1] - parts[2], parts[0] + parts[1] + parts[2]
+    bound = (hist.cumsum(-1) + rounding * habs.cumsum(-1))[..., : th.EDGE_COUNT]
+    edge = th.pick_edge(bound, eps_budget * z_lb)
+    cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
+    return th.edge_threshold(edge, ref, sigma), cert, hist, habs
 
 
 def merge_reference(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:

@@ -28,11 +28,6 @@ from ..index.store import PageIndexStore
 from . import threshold as th
 from .step import StepStats, gates_values
 
-# Relative bound on the fp64 rounding of the histogram sums (atomic adds in any order, then a
-# cumulative sum): 2·n·2^-53 with n < 2·10^7 terms per (request, head).
-HIST_ROUNDING = 1e-8
-
-
 @dataclass
 class GpuWorkspace:
     """Address-stable buffers of the GPU step for up to ``max_batch`` requests whose page tables
@@ -139,7 +134,7 @@ def louver_decode_gpu(
         kern.certified_hist(q, page_table, seq_lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma,
                             bits=config.grid_bits, launch=launch, **layout)
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma,
-                                 config.eps * th.BUDGET_SAFETY, HIST_ROUNDING, h_kv, launch)
+                                 config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING, h_kv, launch)
     kern.attend(q, k_cache, v_cache, page_table, seq_lens, store.tensors, ws.threshold, ws.ref,
                 ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, bits=config.grid_bits, gate=gates_values(config),
                 launch=launch, attended=attended, **layout)

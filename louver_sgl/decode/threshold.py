@@ -26,6 +26,9 @@ EDGES = EDGE_LOW + EDGE_STEP * torch.arange(EDGE_COUNT, dtype=torch.float64)
 EDGE_MARGIN = 1e-6
 # Relative safety on budgets for the fp64 accumulation of up to ~1e8 positive terms.
 BUDGET_SAFETY = 1.0 - 1e-7
+# Relative bound on the fp64 rounding of the certified histograms' sums (terms added in any order,
+# then a cumulative sum): 2·n·2^-53 with n < 2·10^7 terms per (request, head).
+HIST_ROUNDING = 1e-8
 
 
 def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
