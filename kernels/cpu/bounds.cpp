@@ -111,14 +111,10 @@ struct PageScan {
     _mm512_store_si512(bin, b);
     for (uint32_t big = _mm512_cmp_ps_mask(x32, _mm512_set1_ps(80.f), _CMP_GT_OQ) & below; big; big &= big - 1)
       mass[__builtin_ctz(big)] = exp_up(x[__builtin_ctz(big)]);
-    double* tok = row.tok;  // locals: through ``row`` and ``sum`` each add waited on the last store
-    double added = 0.0;
-    for (uint32_t m = below; m; m &= m - 1) {
-      const int l = __builtin_ctz(m);
-      tok[bin[l]] += mass[l];
-      added += mass[l];
-    }
-    sum += added;
+    double* tok = row.tok;  // a local: through ``row`` each add waited on the last store
+    for (uint32_t m = below; m; m &= m - 1) tok[bin[__builtin_ctz(m)]] += mass[__builtin_ctz(m)];
+    sum += _mm512_mask_reduce_add_pd(static_cast<__mmask8>(below), _mm512_load_pd(mass)) +
+           _mm512_mask_reduce_add_pd(static_cast<__mmask8>(below >> 8), _mm512_load_pd(mass + 8));
   }
 #endif
 
