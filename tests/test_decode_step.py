@@ -235,14 +235,37 @@ def test_certified_prunes_peaked_attention(backend):
     assert bool(info[0]["attended"][0, 40 * 16 + 3])
 
 
-def test_dense_fallback_above_fraction():
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_dense_fallback_above_fraction(backend):
     """A request whose candidates exceed the fraction runs dense and says so."""
     cfg = LouverConfig(page_size=16, policy="dense", dense_fallback_fraction=0.5)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 0.125
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend)
     assert bool(stats.dense_fallback[stats.num_indexed > 0].all())
     torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["certified", "budget"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_fallback_replaces_only_the_rows_over_the_fraction(policy, dtype):
+    """Some requests over the fraction, some not: the first get dense attention (the compiled
+    dense step), the others keep their sparse result, in the caller's buffer too."""
+    cfg = LouverConfig(page_size=16, policy=policy, eps=1e-3, budget=0.2, sample_size=32, dense_fallback_fraction=1.0)
+    q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=4)
+    sigma = 0.125
+    sparse, free = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp")
+    fraction = (free.union_candidates / (free.num_indexed * 2).clamp(min=1)).float()
+    cut = float(fraction[free.num_indexed > 0].median())
+    out = torch.full_like(sparse, float("nan"))
+    _, stats = louver_decode(q, k, v, table, lens, store, sigma, config=cfg.with_(dense_fallback_fraction=cut),
+                             backend="cpp", out=out)
+    fell = stats.dense_fallback
+    assert bool(fell.any()) and bool((~fell & (stats.num_indexed > 0)).any())
+    dense = _dense_rows(q.float(), k, v, table, lens, sigma, 16).to(dtype)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out[fell], dense[fell], **tol)
+    assert torch.equal(out[~fell], sparse[~fell])
 
 
 @pytest.mark.parametrize("policy", ["certified", "budget"])
