@@ -152,9 +152,10 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
                                           plan.num_indexed, 0.02, 2)
     step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                              *chunks, plan.num_indexed],
-                             [torch.empty(len(LENS), 6, 64), *b.exact, b.t, b.gate, *b.attend, b.result, *b.totals])
-    layer = OPS.LayerStep(k, v, *index, 0.125, 0.1, 0.0, True, 4, 16, 0.02)
+                              *chunks, plan.num_indexed, plan.page_req],
+                             [torch.empty(len(LENS), 6, 64), *b.exact, b.t, b.gate, *b.attend, b.result, *b.totals,
+                              b.z_lb, b.hist, b.habs, b.certificate])
+    layer = OPS.LayerStep(k, v, *index, 0.125, 0.1, 0.0, True, 4, 16, 0.02, -1.0, 0.0)
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -171,14 +172,14 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
     chunks = page_chunks(plan, 3)
     part = _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
     step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                              *chunks, plan.num_indexed],
+                              *chunks, plan.num_indexed, plan.page_req],
                              [torch.empty(len(LENS), 6, 64), *part.exact, part.t, part.gate, *part.attend,
-                              part.result, *part.totals])
+                              part.result, *part.totals, part.z_lb, part.hist, part.habs, part.certificate])
     from louver_sgl import PageIndexStore
 
     store = PageIndexStore(LouverConfig(page_size=16, grid_bits=4), len(k) // 16, 2, 64, torch.float32)
     layer = OPS.LayerStep(k, v, *(store.tensors[n] for n in ("lo", "scale", "radius", "codes")), 0.125, 0.1, 0.0,
-                          True, 4, 16, 0.5)
+                          True, 4, 16, 0.5, -1.0, 0.0)
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):

@@ -15,6 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>>());
   pybind11::class_<LayerStep>(m, "LayerStep", pybind11::module_local(), "The layer side of the one-call step (see ops.h)")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          double, double, double, bool, int64_t, int64_t, double>())
+                          double, double, double, bool, int64_t, int64_t, double, double, double>())
       .def("run", &LayerStep::run, "fused_step, statistics and output of one layer's step");
 }

@@ -38,21 +38,25 @@ std::tuple<torch::Tensor, bool> step_stats(torch::Tensor t, torch::Tensor z, tor
                                            torch::Tensor num_indexed, double fallback_fraction, int64_t h_kv);
 std::tuple<double, double> exp_ps16_error(double lo, double hi);
 
-// The plan side of the one-call step (budget, fixed and dense policies), made once per forward
-// pass and shared by every layer: the plan's tensors (dense_slots, dense_req, sample_slots,
-// sample_req, page_ids, chunk_req, chunk_begin, chunk_end, num_indexed; i64) and the step's
-// scratch buffers (q32 [B, H_q, D], then fused_step's outputs in its order: s_dense, sample, ref,
-// z, t, gate, m, l, o, counts, mass, result, per_head, per_req, masses).
+// The plan side of the one-call step, made once per forward pass and shared by every layer: the
+// plan's tensors (dense_slots, dense_req, sample_slots, sample_req, page_ids, chunk_req,
+// chunk_begin, chunk_end, num_indexed, page_req; i64) and the step's scratch buffers (q32 [B, H_q,
+// D], then fused_step's outputs in its order: s_dense, sample, ref, z, t, gate, m, l, o, counts,
+// mass, result, per_head, per_req, masses; then the certified threshold's: z_lb [B, H_q], hist,
+// habs, certificate, all f64).
 struct StepPlan {
   StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::Tensor> buffers);
   torch::Tensor dense_slots, dense_req, sample_slots, sample_req, page_ids, chunk_req, chunk_begin, chunk_end,
-      num_indexed;
+      num_indexed, page_req;
   torch::Tensor q32, s_dense, sample, ref, z, t, gate, m, l, o, counts, mass, result, per_head, per_req, masses;
+  torch::Tensor z_lb, hist, habs, certificate;
   torch::Tensor m2, l2, o2;  // m, l, o viewed as [NC, H_q] / [NC, H_q, D_v] for the merge
 };
 
 // The layer side, made once per layer: its KV caches, its index (lo, scale, radius, codes) and the
-// policy's scalars (as fused_step's; budget < 0: T = t_fixed). run(q, plan, out) is fused_step,
+// policy's scalars (as fused_step's; budget < 0: T = t_fixed; eps_budget >= 0: the certified T of
+// certified_threshold with that budget and rounding, its certificate as the index-dropped mass,
+// no value gate). run(q, plan, out) is fused_step (certified: with the threshold's pass),
 // then the packed statistics (stats.h) and the output in out (or a new tensor of q's dtype), in
 // one call: at batch 1 each Python-level op or argument of a step costs microseconds once a
 // layer has swept the caches. Returns (out, packed statistics, whether any request falls back to
@@ -60,11 +64,11 @@ struct StepPlan {
 struct LayerStep {
   LayerStep(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo, torch::Tensor scale, torch::Tensor radius,
             torch::Tensor codes, double sigma, double budget, double t_fixed, bool value_gate, int64_t bits,
-            int64_t page_size, double fallback_fraction);
+            int64_t page_size, double fallback_fraction, double eps_budget, double rounding);
   std::tuple<torch::Tensor, torch::Tensor, bool> run(const torch::Tensor& q, StepPlan& plan,
                                                      std::optional<torch::Tensor> out) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
-  double sigma, budget, t_fixed, fallback_fraction;
+  double sigma, budget, t_fixed, fallback_fraction, eps_budget, rounding;
   bool value_gate;
   int64_t bits, page_size;
 };

@@ -1,6 +1,6 @@
-// One whole decode step of the policies whose T needs no bound pass (budget, fixed, dense) in a
-// single call and a single parallel region: exact part -> T and value gate per head -> attend ->
-// merge, then the per-request totals. Separate ops would cost a round trip through Python and a
+// One whole decode step in a single call: exact part -> T and value gate per head -> attend ->
+// merge, then the per-request totals (one parallel region; certified steps choose T by a bound
+// pass between the exact part and the attend pass). Separate ops would cost a round trip through Python and a
 // fresh parallel region per phase; on a two-core machine both were a large part of a 32K step.
 
 #include "attend.h"
@@ -17,31 +17,40 @@ using namespace louver_cpu;
 
 namespace {
 
-// The phases in one parallel region (a pragma cannot sit inside the dtype-dispatch macro).
+enum Phases { kExactPart = 1, kAttendMerge = 2, kAllPhases = 3 };
+
+// The phases in one parallel region (a pragma cannot sit inside the dtype-dispatch macro): the
+// exact part with T and the value gate per head, then attend and merge. Certified steps run them
+// as two regions with the threshold's bound pass between.
 template <typename KV>
 void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, const KV* kc, const KV* vc, const KV* lo,
-                const KV* sc, const KV* rad, double t_fixed, bool value_gate, float* tp, float* gp) {
+                const KV* sc, const KV* rad, double t_fixed, bool value_gate, float* tp, float* gp,
+                int phases = kAllPhases) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> key(e.D), scratch;
-    {  // an even share of the scattered sample and of the dense part per thread (the sample's
-       // random rows cost far more per row), each a contiguous range that exact_rows prefetches within
-      const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-      exact_rows(e, kc, e.nd + e.ns * id / n, e.nd + e.ns * (id + 1) / n, key.data());
-      exact_rows(e, kc, e.nd * id / n, e.nd * (id + 1) / n, key.data());
-    }
+    if (phases & kExactPart) {
+      std::vector<float> key(e.D), scratch;
+      {  // an even share of the scattered sample and of the dense part per thread (the sample's
+         // random rows cost far more per row), each a contiguous range that exact_rows prefetches within
+        const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+        exact_rows(e, kc, e.nd + e.ns * id / n, e.nd + e.ns * (id + 1) / n, key.data());
+        exact_rows(e, kc, e.nd * id / n, e.nd * (id + 1) / n, key.data());
+      }
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < e.B * e.H; ++bh) {
-      exact_heads(e, bh, bh + 1, scratch);
-      if (!e.tp) tp[bh] = static_cast<float>(t_fixed);
-      gp[bh] = value_gate ? value_gate_threshold(tp[bh]) : -INFINITY;
+      for (int64_t bh = 0; bh < e.B * e.H; ++bh) {
+        exact_heads(e, bh, bh + 1, scratch);
+        if (!e.tp) tp[bh] = static_cast<float>(t_fixed);
+        gp[bh] = value_gate ? value_gate_threshold(tp[bh]) : -INFINITY;
+      }
     }
-    attend_worker(a, kc, vc, lo, sc, rad, next);
+    if (phases & kAttendMerge) {
+      attend_worker(a, kc, vc, lo, sc, rad, next);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < g.B * g.h_kv; ++task) merge_tasks(g, vc, task, task + 1);
+      for (int64_t task = 0; task < g.B * g.h_kv; ++task) merge_tasks(g, vc, task, task + 1);
+    }
   }
 }
 
@@ -103,17 +112,20 @@ void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name
 }  // namespace
 
 StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::Tensor> buffers) {
-  TORCH_CHECK(plan_tensors.size() == 9 && buffers.size() == 16, "StepPlan: expected 9 plan tensors and 16 buffers");
+  TORCH_CHECK(plan_tensors.size() == 10 && buffers.size() == 20, "StepPlan: expected 10 plan tensors and 20 buffers");
   dense_slots = plan_tensors[0], dense_req = plan_tensors[1], sample_slots = plan_tensors[2];
   sample_req = plan_tensors[3], page_ids = plan_tensors[4], chunk_req = plan_tensors[5];
   chunk_begin = plan_tensors[6], chunk_end = plan_tensors[7], num_indexed = plan_tensors[8];
+  page_req = plan_tensors[9];
   for (const auto& x : plan_tensors) check_buffer(x, at::kLong, "a plan tensor");
   q32 = buffers[0], s_dense = buffers[1], sample = buffers[2], ref = buffers[3], z = buffers[4], t = buffers[5];
   gate = buffers[6], m = buffers[7], l = buffers[8], o = buffers[9], counts = buffers[10], mass = buffers[11];
   result = buffers[12], per_head = buffers[13], per_req = buffers[14], masses = buffers[15];
+  z_lb = buffers[16], hist = buffers[17], habs = buffers[18], certificate = buffers[19];
   for (const auto* x : {&q32, &s_dense, &sample, &ref, &t, &gate, &m, &l, &o, &result})
     check_buffer(*x, at::kFloat, "an fp32 buffer");
-  for (const auto* x : {&z, &mass, &masses}) check_buffer(*x, at::kDouble, "an fp64 buffer");
+  for (const auto* x : {&z, &mass, &masses, &z_lb, &hist, &habs, &certificate})
+    check_buffer(*x, at::kDouble, "an fp64 buffer");
   for (const auto* x : {&counts, &per_head, &per_req}) check_buffer(*x, at::kLong, "a count buffer");
   TORCH_CHECK(q32.dim() == 3 && result.dim() == 3 && result.size(0) == q32.size(0) && result.size(1) == q32.size(1),
               "StepPlan: q32 must be [B, H_q, D] and result [B, H_q, D_v]");
@@ -125,10 +137,12 @@ StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::T
 
 LayerStep::LayerStep(torch::Tensor k_cache_, torch::Tensor v_cache_, torch::Tensor lo_, torch::Tensor scale_,
                      torch::Tensor radius_, torch::Tensor codes_, double sigma_, double budget_, double t_fixed_,
-                     bool value_gate_, int64_t bits_, int64_t page_size_, double fallback_fraction_)
+                     bool value_gate_, int64_t bits_, int64_t page_size_, double fallback_fraction_,
+                     double eps_budget_, double rounding_)
     : k_cache(k_cache_), v_cache(v_cache_), lo(lo_), scale(scale_), radius(radius_), codes(codes_), sigma(sigma_),
-      budget(budget_), t_fixed(t_fixed_), fallback_fraction(fallback_fraction_), value_gate(value_gate_),
-      bits(bits_), page_size(page_size_) {
+      budget(budget_), t_fixed(t_fixed_), fallback_fraction(fallback_fraction_), eps_budget(eps_budget_),
+      rounding(rounding_), value_gate(value_gate_), bits(bits_), page_size(page_size_) {
+  TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
               "LayerStep: the KV caches and the index must be CPU tensors");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(0) == v_cache.size(0) &&
@@ -162,15 +176,28 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                                    p.mass);
   const MergeArgs g = merge_args(p.s_dense, p.dense_slots, p.dense_req, v_cache, p.m2, p.l2, p.o2, p.chunk_req, sigma,
                                  p.result);
+  const bool certified = eps_budget >= 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
-    run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-               scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, p.t.data_ptr<float>(),
-               p.gate.data_ptr<float>());
+    const auto run = [&](int phases) {
+      run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, p.t.data_ptr<float>(),
+                 p.gate.data_ptr<float>(), phases);
+    };
+    if (!certified) return run(kAllPhases);
+    run(kExactPart);  // ref and the exact masses, then T from every token bound (gate: −inf)
+    const double* z = p.z.data_ptr<double>();
+    double* z_lb = p.z_lb.data_ptr<double>();
+    for (int64_t i = 0; i < B * H; ++i) z_lb[i] = z[2 * i] + z[2 * i + 1];
+    static const torch::Tensor none = torch::empty({0});
+    certified_threshold(p.q32, p.page_ids, p.page_req, lo, scale, radius, codes, p.ref, p.z_lb, sigma, eps_budget,
+                        rounding, bits, page_size, p.hist, p.habs, p.t, p.certificate, none, none);
+    run(kAttendMerge);
   });
   chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
   torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
-                                     p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(), nullptr,
+                                     p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(),
+                                     certified ? p.certificate.data_ptr<double>() : nullptr,
                                      p.num_indexed.data_ptr<int64_t>(), B, H, fallback_fraction, k_cache.size(1),
                                      packed.data_ptr<double>());
   torch::Tensor dest = out.has_value() ? *out : torch::empty({B, H, DV}, torch::TensorOptions().dtype(q.scalar_type()));

@@ -3,13 +3,13 @@
 The compiled attend pass does, per (request, chunk of pages) task and for every KV head, the page
 bounds, token bounds, the GQA-union candidate gate, exact scores from candidate keys, the value
 gate, an online softmax and the dropped-mass accounting; the chunks' partial softmax states are
-then merged with the dense part. Budget, fixed and dense steps run all of it (exact part and T
-included), the step statistics and the output conversion as one call, ``LayerStep.run``
-(``fused_step`` + ``step_stats``) over a layer side made once per layer (``CompiledLayer``) and a
-plan side made once per forward pass (``StepPlan``); certified steps first run one compiled pass over
-every page's codes to choose T (it needs the histogram of all token bounds: the int8 ones the attend
-pass gates with), then the same phases as ops. Every compiled phase has its torch specification
-here or in step.py / threshold.py.
+then merged with the dense part. A step runs all of it (exact part and T included), the step
+statistics and the output conversion as one call, ``LayerStep.run`` (``fused_step`` +
+``step_stats``) over a layer side made once per layer (``CompiledLayer``) and a plan side made once
+per forward pass (``StepPlan``). Certified steps choose T between the exact part and the attend
+pass by one compiled pass over every page's codes (``certified_threshold``: the histogram of all
+token bounds, the int8 ones the attend pass gates with). Every compiled phase has its torch
+specification here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
@@ -61,12 +61,10 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
                      config: LouverConfig, ops, chunk_pages: int, out=None, cache_key=None):
     """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
 
-    Budget, fixed and dense steps are one compiled call (``CompiledLayer.run``); with
-    ``cache_key`` its layer side is kept in ``store.compiled_steps`` for ``louver_decode``'s fast
-    path. Certified steps run the exact part, the bound passes that choose T, then the attend,
-    merge, totals and statistics ops. The task list and the output buffers come from the plan
-    (made once per forward pass, reused by every layer): at batch 1 the step's own host work is a
-    large share of its time.
+    One compiled call (``CompiledLayer.run``); with ``cache_key`` its layer side is kept in
+    ``store.compiled_steps`` for ``louver_decode``'s fast path. The task list and the output
+    buffers come from the plan (made once per forward pass, reused by every layer): at batch 1 the
+    step's own host work is a large share of its time.
     """
     batch, heads, dim = q.shape
     h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
@@ -77,35 +75,13 @@ def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStor
                                         config.sample_size))
     plan_key = ("cpu_step", config.page_size, chunk_pages, threads, heads, h_kv, dim, d_v, config.sample_size)
     cpu = plan.cached(plan_key, lambda: _step_plan(ops, plan, (chunk_req, begin, end), part, dim))
-    if config.policy != "certified":
-        compiled = CompiledLayer(ops, k_cache, v_cache, store, sigma, config, plan_key)
-        if cache_key is not None:
-            steps = store.compiled_steps
-            if len(steps) >= MAX_COMPILED_STEPS:  # entries keep their KV caches alive
-                steps.clear()
-            steps[cache_key] = compiled
-        return compiled.run(q, plan, cpu, out)
-    meta = store.tensors
-    index = (meta["lo"], meta["scale"], meta["radius"], meta["codes"])
-    q32 = q.to(torch.float32).contiguous()
-    ex = _exact(ops, q32, k_cache, plan, sigma, part, budget=-1.0)
-    t, index_dropped = _certified_threshold(q32, plan, store, ex, sigma, config, ops, part)
-    part.gate.fill_(float("-inf"))  # certified steps attend every candidate
-    ops.grid_sparse_attend(q32, k_cache, v_cache, *index, plan.page_ids, chunk_req, begin, end, t, part.gate, ex.ref,
-                           float(sigma), store.config.grid_bits, store.page_size, *part.attend)
-    ops.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v_cache, *part.merge_inputs(), chunk_req,
-                     float(sigma), part.result)
-    ops.chunk_totals(part.counts, part.mass, chunk_req, *part.totals)
-    packed, any_fallback = ops.step_stats(t, part.z, *part.totals, index_dropped, plan.num_indexed,
-                                          float(config.dense_fallback_fraction), h_kv)
-    stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
-    if out is None:
-        out = part.result.to(q.dtype, copy=True)  # the buffers are reused by the next step
-    else:
-        out.copy_(part.result)
-    if any_fallback:
-        _dense_fallback(_dense_layer(ops, k_cache, v_cache, store, sigma), q, cpu, stats, out)
-    return out, stats
+    compiled = CompiledLayer(ops, k_cache, v_cache, store, sigma, config, plan_key)
+    if cache_key is not None:
+        steps = store.compiled_steps
+        if len(steps) >= MAX_COMPILED_STEPS:  # entries keep their KV caches alive
+            steps.clear()
+        steps[cache_key] = compiled
+    return compiled.run(q, plan, cpu, out)
 
 
 def _dense_layer(ops, k_cache, v_cache, store: PageIndexStore, sigma: float):
@@ -113,7 +89,7 @@ def _dense_layer(ops, k_cache, v_cache, store: PageIndexStore, sigma: float):
     candidate and attended), for the requests of a step that fall back to dense."""
     meta = store.tensors
     return ops.LayerStep(k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
-                         -1.0, float("-inf"), False, store.config.grid_bits, store.page_size, 1.0)
+                         -1.0, float("-inf"), False, store.config.grid_bits, store.page_size, 1.0, -1.0, 0.0)
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor) -> None:
@@ -131,7 +107,7 @@ MAX_COMPILED_STEPS = 16
 
 
 class CompiledLayer:
-    """One layer's compiled one-call step for the budget, fixed and dense policies: the layer side
+    """One layer's compiled one-call step: the layer side
     (``ops.LayerStep``: KV caches, index, policy scalars) and the key of the plan side it runs on
     (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``louver_decode`` keeps it in
     the store so that later steps skip straight to ``run``."""
@@ -141,11 +117,13 @@ class CompiledLayer:
     def __init__(self, ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
                  plan_key: tuple):
         t_static = th.static_threshold_value(config)
+        certified = config.policy == "certified"
         meta = store.tensors
         self.layer = ops.LayerStep(
             k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
             float(config.budget if config.policy == "budget" else -1.0), 0.0 if t_static is None else t_static,
-            gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction))
+            gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction),
+            config.eps * th.BUDGET_SAFETY if certified else -1.0, th.HIST_ROUNDING)
         self.dense_layer = _dense_layer(ops, k_cache, v_cache, store, sigma)
         # the caches and the config stay referenced: the store's key
         # holds their id()s, which must not be reused while the entry lives
@@ -167,8 +145,9 @@ def _step_plan(ops, plan: DecodePlan, chunks: tuple, part: "_Outputs", dim: int)
     q32 = torch.empty(batch, heads, dim)
     step_plan = ops.StepPlan(
         [plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids, *chunks,
-         plan.num_indexed],
-        [q32, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals])
+         plan.num_indexed, plan.page_req],
+        [q32, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals, part.z_lb, part.hist,
+         part.habs, part.certificate])
     return part, q32, step_plan
 
 
@@ -212,10 +191,7 @@ class _Outputs:
         self.hist = torch.empty(batch, heads, width, dtype=torch.float64)
         self.habs = torch.empty(batch, heads, width, dtype=torch.float64)
         self.certificate = torch.empty(batch, heads, dtype=torch.float64)
-
-    @property
-    def certified(self):
-        return self.hist, self.habs, self.t, self.certificate
+        self.z_lb = torch.empty(batch, heads, dtype=torch.float64)
 
     @property
     def exact(self):
@@ -264,22 +240,6 @@ def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_siz
     part = _Outputs(batch, heads, k_cache.shape[1], k_cache.shape[2], 0, len(plan.dense_slots), sample_size)
     ex = _exact(ops, q32, k_cache, plan, sigma, part, budget)
     return ex, (part.t if budget >= 0 else None)
-
-
-def _certified_threshold(q32, plan: DecodePlan, store: PageIndexStore, ex, sigma, config: LouverConfig, ops,
-                         part: "_Outputs"):
-    """Certified T ``[B, H_q]`` and its certificate (the dropped mass it allows, relative to ref,
-    fp64) from one compiled pass over the codes (``certified_threshold_reference`` is its
-    specification). The histogram counts the attend pass's own int8 token bounds, so every key
-    the attend pass drops is in the certified mass and no recount is needed."""
-    meta = store.tensors
-    ops.certified_threshold(q32, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
-                            meta["codes"], ex.ref, ex.z_lb, float(sigma), config.eps * th.BUDGET_SAFETY,
-                            th.HIST_ROUNDING, store.config.grid_bits, store.page_size, *part.certified, _NONE, _NONE)
-    return part.t, part.certificate
-
-
-_NONE = torch.empty(0)  # an optional output the op does not write
 
 
 def int8_token_bounds_reference(weights, offset, codes, bits):

@@ -108,9 +108,9 @@ def louver_decode(
     Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
     """
     if plan is not None:
-        # Fast path: a later step of a layer whose compiled step (budget, fixed and dense policies)
-        # and the plan's buffers an earlier step prepared; its inputs were checked then, q is
-        # checked by the kernel. Few Python lines on purpose: after the layer's attention has swept
+        # Fast path: a later step of a layer whose compiled step and the plan's buffers an earlier
+        # step prepared; its inputs were checked then, q is checked by the kernel. Few Python
+        # lines on purpose: after the layer's attention has swept
         # the caches each costs microseconds, and at batch 1 they were a sixth of a 32K step.
         compiled = store.compiled_steps.get((id(k_cache), id(v_cache), id(config), sigma, backend, chunk_pages))
         if compiled is not None:
