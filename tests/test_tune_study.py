@@ -154,8 +154,10 @@ def test_check_step_catches_false_negatives(monkeypatch):
     store.build_pages(pb.k, torch.arange(store.num_pages))
     out, stats = louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma)
     check_step(pb, store, config, out, stats)  # the real index passes
-    monkeypatch.setattr(store, "token_bounds", lambda bounds, pages: torch.full(
-        (len(pages), config.page_size, H_KV, H_Q // H_KV), float("-inf")))
+    broken = lambda pages: torch.full((len(pages), config.page_size, H_KV, H_Q // H_KV), float("-inf"))
+    monkeypatch.setattr(store, "token_bounds", lambda bounds, pages: broken(pages))  # the fp32 bounds
+    monkeypatch.setattr("louver_tuning.validate.int8_token_bounds_reference",  # the compiled kernels' int8 ones
+                        lambda weights, offset, codes, bits: broken(codes))
     stats.dense_fallback.zero_()
     with pytest.raises(ConstraintViolation, match="false negatives"):
         check_step(pb, store, config, out, stats)

@@ -2,7 +2,8 @@
 
 For every request and query head of a decode step:
   * zero false negatives: every indexed key whose exact fp64 score reaches the step's threshold T
-    passes the index's bounds (the attended set of the reference semantics);
+    passes the index's bounds (the attended set of the reference semantics, with the int8 token
+    bounds where the step ran the compiled kernels: they gate and certify with those);
   * the dropped softmax mass (keys outside that set and the dense part) is at most the step's
     certified bound, and with the certified policy the bound is below eps;
   * the step's output is within the guarantee ||o - o_dense|| <= 2 * bound * max||v|| of fp64
@@ -17,7 +18,8 @@ import torch
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
 from louver_sgl.decode.plan import split_pages
-from louver_sgl.decode.step import StepStats
+from louver_sgl.decode.fused import int8_token_bounds_reference
+from louver_sgl.decode.step import StepStats, gates_with_int8_bounds
 from louver_sgl.index.numerics import keep_at_least
 
 # fp32 step vs fp64 reference: a relative allowance on max||v|| for accumulation rounding.
@@ -52,7 +54,8 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
     groups = q.shape[0] // keys.shape[1]
     scores = torch.einsum("hd,nhd->hn", q.double(), keys.double().repeat_interleave(groups, 1))  # [H_q, n]
     threshold = stats.threshold[b].cpu()
-    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold)  # [H_q, n] or None
+    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold,
+                     gates_with_int8_bounds(store))  # [H_q, n] or None
     attended = torch.ones_like(scores, dtype=torch.bool)
     if passed is not None and not bool(stats.dense_fallback[b]):
         indexed = passed[1]
@@ -76,8 +79,12 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
 
 
 def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: int, config: LouverConfig,
-            threshold: torch.Tensor):
-    """(keys passing the bounds ``[H_q, n_indexed]`` bool, their positions ``[n_indexed]``), or None."""
+            threshold: torch.Tensor, int8: bool):
+    """(keys passing the bounds ``[H_q, n_indexed]`` bool, their positions ``[n_indexed]``), or None.
+
+    ``int8``: the step gated with the compiled kernels' int8 token bounds (and certified its T with
+    them), so those decide which keys each head keeps; else the store's fp32 bounds.
+    """
     size = config.page_size
     _, indexed, _ = split_pages(n, config)
     pages = pages_row[indexed.start:indexed.stop].to(next(iter(store.tensors.values())).device)
@@ -86,7 +93,12 @@ def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: 
     groups = q.shape[0] // store.num_kv_heads
     rows = q.float().view(1, store.num_kv_heads, groups, -1).expand(len(pages), -1, -1, -1).contiguous()
     bounds = store.page_bounds(rows.to(pages.device), pages)
-    tok = store.token_bounds(bounds, pages).reshape(-1, q.shape[0]).t().cpu()
+    if int8:
+        codes = store.tensors["codes"].view(store.num_pages, size, store.num_kv_heads, -1)[pages]
+        tok = int8_token_bounds_reference(*bounds.terms, codes, store.config.grid_bits)
+    else:
+        tok = store.token_bounds(bounds, pages)
+    tok = tok.reshape(-1, q.shape[0]).t().cpu()
     page_bound = bounds.page_bound.reshape(len(pages), -1).t().repeat_interleave(size, 1).cpu()
     passed = keep_at_least(torch.minimum(tok, page_bound), threshold[:, None])
     positions = torch.arange(indexed.start * size, indexed.stop * size)

@@ -22,8 +22,9 @@ int64_t edge_bin(double x) {
   return j >= kEdgeCount - 1 ? kEdgeCount : static_cast<int64_t>(j) + 1;
 }
 
-// Upper bound of e^x (x at most 700, as the specification clamps; at least −700: no underflow): glibc's exp is within 1 ulp,
-// so scaling by (1 + 2^-50) rounds up. (An fp32 exp of x rounded to fp32 errs by up to |x|·2^-24.)
+// Upper bound of e^x (x at most 700, as the specification clamps; at least −700: no underflow):
+// glibc's exp is within 1 ulp, so scaling by (1 + 2^-50) rounds up. (An fp32 exp of x rounded to
+// fp32 errs by up to |x|·2^-24: not an upper bound.)
 double exp_up(double x) { return std::exp(std::clamp(x, -700.0, 700.0)) * (1.0 + 0x1p-50); }
 
 // The histogram of one (request, query head), in three parts so that the absolute terms need no
@@ -42,14 +43,14 @@ struct HistRows {
 struct PageScan {
   int64_t G, D, bits, P, bytes, h_kv;
   double sigma;
-  std::vector<float> book, w, off, pb, step, tok_sum;
+  std::vector<float> book, w, off, pb, step;
   std::vector<int8_t> wq, wsplit, wsplit8;
   std::vector<uint8_t> page_codes;
   std::vector<int64_t> page_bin;
 
   PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, int64_t bytes_, int64_t h_kv_, double sigma_)
       : G(G_), D(D_), bits(bits_), P(P_), bytes(bytes_), h_kv(h_kv_), sigma(sigma_), book(3 * D_), w(G_ * D_),
-        off(G_), pb(G_), step(G_), tok_sum(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
+        off(G_), pb(G_), step(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
         page_codes(P_ * D_), page_bin(G_) {}
 
   bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
@@ -67,13 +68,12 @@ struct PageScan {
     }
   }
 
-  // Page masses at their bins; resets the sums of the page's counted tokens.
+  // Page masses at their bins.
   void add_pages(const float* ref, const HistRows* rows) {
     for (int64_t g = 0; g < G; ++g) {
       const double x = sigma * (double(pb[g]) - double(ref[g]));
       page_bin[g] = edge_bin(x);
       if (!std::isnan(x)) rows[g].page[page_bin[g]] += double(P) * exp_up(x);
-      tok_sum[g] = 0.f;
     }
   }
 
@@ -102,7 +102,8 @@ struct PageScan {
       xs[h] = _mm512_cvtpd_ps(xd);
     }
     const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(bins[0]), bins[1], 1);
-    const __mmask16 below = _mm512_cmp_epi32_mask(b, _mm512_set1_epi32(static_cast<int32_t>(page_bin[g])), _MM_CMPINT_LT);
+    const __m512i page = _mm512_set1_epi32(static_cast<int32_t>(page_bin[g]));
+    const __mmask16 below = _mm512_cmp_epi32_mask(b, page, _MM_CMPINT_LT);
     if (!below) return;
     const __m512 x32 = _mm512_insertf32x8(_mm512_castps256_ps512(xs[0]), xs[1], 1);
     const __m512 e = exp_ps16(_mm512_max_ps(x32, _mm512_set1_ps(-87.f)));
@@ -176,7 +177,9 @@ struct PageScan {
 };
 
 // Page slices for the bound pass: several per thread, so that the cores finish together.
-int64_t page_slices(int64_t n_pages) { return std::max<int64_t>(1, std::min<int64_t>(n_pages, 8 * at::get_num_threads())); }
+int64_t page_slices(int64_t n_pages) {
+  return std::max<int64_t>(1, std::min<int64_t>(n_pages, 8 * at::get_num_threads()));
+}
 
 // fp32 T of edge j for reference score ref (threshold.edge_threshold): just under the edge,
 // rounded down; −inf for j < 0 or a non-finite ref.

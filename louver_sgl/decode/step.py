@@ -132,6 +132,13 @@ def louver_decode(
     return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
 
 
+def gates_with_int8_bounds(store: PageIndexStore) -> bool:
+    """Whether ``louver_decode`` (backend "auto") or the GPU step on ``store`` runs the compiled
+    kernels, which gate tokens and certify T with int8 token bounds
+    (``fused.int8_token_bounds_reference``) instead of the store's fp32 ones."""
+    return store.config.family == "grid" and (not store.on_cpu or _compiled_ops() is not None)
+
+
 def _cpu_ops(backend: str, store: PageIndexStore, q: torch.Tensor):
     """(compiled CPU module, fused step) if ``backend`` asks for them (or allows them) and they apply."""
     if backend not in ("auto", "torch", "cpp"):
