@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..config import LouverConfig
+from ..index.grid import unpack_codes
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .plan import DecodePlan
-from ..index.grid import unpack_codes
 from .segments import seg_sum
 from .step import ExactPart, StepStats, gates_values
 
@@ -95,7 +95,8 @@ def _dense_layer(ops, k_cache, v_cache, store: PageIndexStore, sigma: float):
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor) -> None:
     """Rows of ``out`` of the requests over the fallback fraction replaced by the dense policy's
     compiled step on the same plan (its buffers are free again once ``out`` and the statistics are
-    written). The torch dense path gathered and widened every K and V row: 12-30x slower at 32K."""
+    written). The torch dense path gathered and widened every K and V row: a certified step at 32K
+    that falls back took 26 ms with it, 5.1 ms with this."""
     dense_out, _, _ = dense_layer.run(q, cpu[2], None)
     rows = stats.dense_fallback
     out[rows] = dense_out[rows]
@@ -107,8 +108,8 @@ MAX_COMPILED_STEPS = 16
 
 
 class CompiledLayer:
-    """One layer's compiled one-call step: the layer side
-    (``ops.LayerStep``: KV caches, index, policy scalars) and the key of the plan side it runs on
+    """One layer's compiled one-call step: the layer side (``ops.LayerStep``: KV caches, index,
+    policy scalars; and the dense policy's for fallbacks) and the key of the plan side it runs on
     (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``louver_decode`` keeps it in
     the store so that later steps skip straight to ``run``."""
 
@@ -125,8 +126,8 @@ class CompiledLayer:
             gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction),
             config.eps * th.BUDGET_SAFETY if certified else -1.0, th.HIST_ROUNDING)
         self.dense_layer = _dense_layer(ops, k_cache, v_cache, store, sigma)
-        # the caches and the config stay referenced: the store's key
-        # holds their id()s, which must not be reused while the entry lives
+        # the caches and the config stay referenced: the store's key holds their id()s, which must
+        # not be reused while the entry lives
         self.plan_key, self.k_cache, self.v_cache, self.sigma, self.config = plan_key, k_cache, v_cache, sigma, config
 
     def run(self, q, plan: DecodePlan, cpu: tuple, out=None):
@@ -200,10 +201,6 @@ class _Outputs:
     @property
     def attend(self):
         return self.m, self.l, self.o, self.counts, self.mass
-
-    def merge_inputs(self):
-        n, heads = self.m.shape[0], self.ref.shape[1]
-        return self.m.view(n, heads), self.l.view(n, heads), self.o.view(n, heads, self.o.shape[-1])
 
     def exact_part(self, plan: DecodePlan) -> ExactPart:
         z = self.z
