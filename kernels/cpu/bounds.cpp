@@ -47,11 +47,13 @@ struct PageScan {
   std::vector<int8_t> wq, wsplit, wsplit8;
   std::vector<uint8_t> page_codes;
   std::vector<int64_t> page_bin;
+  std::vector<int32_t> idot;  // per-token integer dots; members: scan runs per page and KV head
+  std::vector<double> sums;   // per head, the page's counted token masses
 
   PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, int64_t bytes_, int64_t h_kv_, double sigma_)
       : G(G_), D(D_), bits(bits_), P(P_), bytes(bytes_), h_kv(h_kv_), sigma(sigma_), book(3 * D_), w(G_ * D_),
         off(G_), pb(G_), step(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
-        page_codes(P_ * D_), page_bin(G_) {}
+        page_codes(P_ * D_), page_bin(G_), idot(G_), sums(G_) {}
 
   bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
 
@@ -134,7 +136,7 @@ struct PageScan {
   // given, [P, ...] rows ``tok_stride`` floats apart, G heads each).
   void scan(const uint8_t* codes, int64_t k, const float* ref, const HistRows* rows, float* tok_out,
             int64_t tok_stride) {
-    std::vector<double> sums(G, 0.0);
+    std::fill(sums.begin(), sums.end(), 0.0);
     int64_t p = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (vnni() && P % 16 == 0) {
@@ -159,7 +161,6 @@ struct PageScan {
     }
 #endif
     if (p < P && !vnni()) unpack_page(codes, h_kv, k, bytes, bits, P, D, page_codes.data());
-    std::vector<int32_t> idot(G);
     for (; p < P; ++p) {
       if (vnni()) {
         dot_token_vnni(codes + (p * h_kv + k) * bytes, bits, D, wsplit.data(), G, idot.data());
@@ -176,7 +177,8 @@ struct PageScan {
   }
 };
 
-// Page slices for the bound pass: several per thread, so that the cores finish together.
+// Page slices for the bound pass: several per thread, so that the cores finish together (their
+// histograms add up in one partial per thread).
 int64_t page_slices(int64_t n_pages) {
   return std::max<int64_t>(1, std::min<int64_t>(n_pages, 8 * at::get_num_threads()));
 }
@@ -222,8 +224,9 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
   const float* rp = ref.data_ptr<float>();
   float* tok_out = with_bounds ? tok.data_ptr<float>() : nullptr;
   float* pb_out = with_bounds ? pb.data_ptr<float>() : nullptr;
-  const int64_t rows = B * h_q, S = page_slices(n), W = kHistWidth;
-  std::vector<double> part(3 * S * rows * W, 0.0);  // per slice: tok, page, covered rows
+  const int64_t rows = B * h_q, S = page_slices(n), W = kHistWidth, threads = at::get_num_threads();
+  // per thread: tok, page, covered rows (one per slice was ~1 MB at batch 1, fresh pages each call)
+  std::vector<double> part(3 * threads * rows * W, 0.0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lo.scalar_type(), "certified_threshold", [&] {
     const scalar_t* lp = lo.data_ptr<scalar_t>();
     const scalar_t* sp = scale.data_ptr<scalar_t>();
@@ -231,8 +234,8 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
     at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
       PageScan scan(G, D, bits, P, bytes, h_kv, sigma);
       std::vector<HistRows> hr(G);
+      double* base = part.data() + 3 * at::get_thread_num() * rows * W;
       for (int64_t slice = begin; slice < end; ++slice) {
-        double* base = part.data() + 3 * slice * rows * W;
         for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
           const uint8_t* page_codes = c + pid[i] * P * h_kv * bytes;
           for (int64_t k = 0; k < h_kv; ++k) {
@@ -261,8 +264,8 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
     int64_t edge = -1;
     for (int64_t j = 0; j < W; ++j) {
       double tk = 0.0, pg = 0.0, cov = 0.0;
-      for (int64_t slice = 0; slice < S; ++slice) {
-        const double* row = part.data() + (3 * slice * rows + 3 * r) * W;
+      for (int64_t thread = 0; thread < threads; ++thread) {
+        const double* row = part.data() + (3 * thread * rows + 3 * r) * W;
         tk += row[j];
         pg += row[W + j];
         cov += row[2 * W + j];
