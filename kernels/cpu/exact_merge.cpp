@@ -22,7 +22,7 @@ void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slot
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "exact_part", [&] {
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     at::parallel_for(0, e.nd + e.ns, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> key(e.D);
+      std::vector<float> key(kExactScratch * e.D);
       exact_rows(e, kc, begin, end, key.data());
     });
   });

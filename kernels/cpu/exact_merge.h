@@ -64,23 +64,81 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
 }
 
 constexpr int64_t kExactAhead = 12;  // rows prefetched ahead by exact_rows
+constexpr int64_t kExactScratch = 16;  // rows of the scratch exact_rows takes, in units of D
+
+// Where row ``row`` of the exact part (0..ND-1 the dense part, ND..ND+NS-1 the sample) writes its
+// H scores, and its request.
+inline float* exact_dst(const ExactArgs& e, int64_t row, int64_t* req) {
+  if (row < e.nd) {
+    *req = e.dr[row];
+    return e.sd + row * e.H;
+  }
+  const int64_t i = row - e.nd, b = e.sr[i];
+  *req = b;
+  return e.sp + (b * e.M + (i - e.s_bounds[b])) * e.H;
+}
+
+#if defined(__AVX512F__)
+// exact_rows for D a multiple of 16: blocks of up to 16 rows of one part and one request, per KV
+// head 16 FMA chains per query head reduced by the transposing add tree (a dot product per row
+// and head ended in a serial horizontal sum: the largest fixed cost of a batch-1 step).
+// rows: scratch [16, D] (lanes past a short block read stale finite rows and are not written).
+template <typename KV>
+inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_t end, float* rows) {
+  const int64_t D = e.D, row_elems = e.h_kv * D;
+  const auto slot_of = [&e](int64_t row) { return row < e.nd ? e.ds[row] : e.ss[row - e.nd]; };
+  for (int64_t r = begin; r < std::min(end, begin + 16); ++r)
+    prefetch_bytes(kc + slot_of(r) * row_elems, row_elems * static_cast<int64_t>(sizeof(KV)));
+  alignas(64) float lanes[16];
+  for (int64_t row = begin; row < end;) {
+    int64_t b, other;
+    float* dst = exact_dst(e, row, &b);
+    const int64_t part_end = row < e.nd ? std::min(end, e.nd) : end;
+    int64_t n = 1;
+    while (n < 16 && row + n < part_end && (exact_dst(e, row + n, &other), other == b)) ++n;
+    for (int64_t r = row + 16; r < std::min(end, row + 32); ++r)  // the next block (rows are scattered)
+      prefetch_bytes(kc + slot_of(r) * row_elems, row_elems * static_cast<int64_t>(sizeof(KV)));
+    for (int64_t k = 0; k < e.h_kv; ++k) {
+      for (int64_t t = 0; t < n; ++t) load_f32(kc + slot_of(row + t) * row_elems + k * D, D, rows + t * D);
+      for (int64_t g = 0; g < e.G; ++g) {
+        const float* qg = e.q + (b * e.H + k * e.G + g) * D;
+        __m512 v[16];
+        for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D; j += 16) {
+          const __m512 qj = _mm512_loadu_ps(qg + j);
+          for (int t = 0; t < 16; ++t) v[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + t * D + j), qj, v[t]);
+        }
+        _mm512_store_ps(lanes, lane_sums16_ps(v));
+        for (int64_t t = 0; t < n; ++t) {
+          // rows of one part are consecutive: dense rows H apart, a request's sample rows too
+          dst[t * e.H + k * e.G + g] = lanes[t];
+        }
+      }
+    }
+    row += n;
+  }
+}
+#endif
 
 // Exact scores of rows [begin, end): rows 0..ND-1 are the dense part, ND..ND+NS-1 the sample
-// (written at its padded position). key: scratch [D].
+// (written at its padded position). scratch: [kExactScratch, D].
 template <typename KV>
-inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t end, float* key) {
+inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t end, float* scratch) {
+#if defined(__AVX512F__)
+  if (e.D % 16 == 0) return exact_rows16(e, kc, begin, end, scratch);
+#endif
   for (int64_t row = begin; row < end; ++row) {
-    const bool dense = row < e.nd;
-    const int64_t i = dense ? row : row - e.nd, slot = dense ? e.ds[i] : e.ss[i], b = dense ? e.dr[i] : e.sr[i];
-    float* dst = dense ? e.sd + i * e.H : e.sp + (b * e.M + (i - e.s_bounds[b])) * e.H;
+    int64_t b;
+    float* dst = exact_dst(e, row, &b);
+    const int64_t slot = row < e.nd ? e.ds[row] : e.ss[row - e.nd];
     if (row + kExactAhead < end) {  // the rows are scattered (the sample is random): fetch ahead
       const int64_t next = row + kExactAhead, s = next < e.nd ? e.ds[next] : e.ss[next - e.nd];
       prefetch_bytes(kc + s * e.h_kv * e.D, e.h_kv * e.D * static_cast<int64_t>(sizeof(KV)));
     }
     for (int64_t k = 0; k < e.h_kv; ++k) {
-      load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, key);
+      load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, scratch);
       for (int64_t g = 0; g < e.G; ++g)
-        dst[k * e.G + g] = dot(key, e.q + (b * e.H + k * e.G + g) * e.D, static_cast<int>(e.D));
+        dst[k * e.G + g] = dot(scratch, e.q + (b * e.H + k * e.G + g) * e.D, static_cast<int>(e.D));
     }
   }
 }
@@ -93,9 +151,17 @@ inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vec
   for (int64_t bh = begin; bh < end; ++bh) {
     const int64_t b = bh / H, h = bh % H, n_sample = e.s_bounds[b + 1] - e.s_bounds[b];
     float top = -INFINITY;
+#if defined(__AVX512F__)
+    {
+      const float dense_top = strided_max(e.sd + e.d_bounds[b] * H + h, H, e.d_bounds[b + 1] - e.d_bounds[b]);
+      const float sample_top = strided_max(e.sp + b * M * H + h, H, n_sample);
+      top = std::isnan(dense_top) || std::isnan(sample_top) ? NAN : std::max(dense_top, sample_top);
+    }
+#else
     auto take = [&top](float x) { top = (x > top || std::isnan(x)) && !std::isnan(top) ? x : top; };
     for (int64_t i = e.d_bounds[b]; i < e.d_bounds[b + 1]; ++i) take(e.sd[i * H + h]);
     for (int64_t j = 0; j < n_sample; ++j) take(e.sp[(b * M + j) * H + h]);
+#endif
     e.rp[bh] = top;
     double zd = 0.0, zs = 0.0;
     const double r = top;
@@ -164,6 +230,48 @@ inline void dense_weights(const MergeArgs& g, int64_t d0, int64_t nd, int64_t k,
   }
 }
 
+// num [G, DV] = Σ_i weight[j][i]·V row of dense row d0 + i for KV head k (weight [G, nd]; val:
+// scratch [DV]). With AVX-512 the sums of up to 4 heads × 64 channels stay in 16 registers over
+// all rows (a load and store of num per row and head were most of the merge).
+template <typename KV>
+inline void dense_values(const MergeArgs& g, const KV* vc, int64_t d0, int64_t nd, int64_t k, const float* weight,
+                         float* num, float* val) {
+  const int64_t G = g.G, DV = g.DV, h_kv = g.h_kv;
+  const auto row = [&](int64_t i) { return vc + (g.ds[d0 + i] * h_kv + k) * DV; };
+  for (int64_t i = 0; i < std::min(nd, kExactAhead); ++i) prefetch_bytes(row(i), DV * static_cast<int64_t>(sizeof(KV)));
+#if defined(__AVX512F__)
+  if (DV % 64 == 0) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4)
+      for (int64_t c0 = 0; c0 < DV; c0 += 64) {
+        const int64_t ng = std::min<int64_t>(4, G - g0);
+        const bool first_pass = g0 == 0 && c0 == 0;
+        __m512 r[4][4];
+        for (int64_t j = 0; j < ng; ++j)
+          for (int c = 0; c < 4; ++c) r[j][c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nd; ++i) {
+          if (first_pass && i + kExactAhead < nd)  // the V rows are strided by H_kv: fetch ahead
+            prefetch_bytes(row(i + kExactAhead), DV * static_cast<int64_t>(sizeof(KV)));
+          const KV* v = row(i) + c0;
+          const __m512 x[4] = {load16_ps(v), load16_ps(v + 16), load16_ps(v + 32), load16_ps(v + 48)};
+          for (int64_t j = 0; j < ng; ++j) {
+            const __m512 e = _mm512_set1_ps(weight[(g0 + j) * nd + i]);
+            for (int c = 0; c < 4; ++c) r[j][c] = _mm512_fmadd_ps(e, x[c], r[j][c]);
+          }
+        }
+        for (int64_t j = 0; j < ng; ++j)
+          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(num + (g0 + j) * DV + c0 + 16 * c, r[j][c]);
+      }
+    return;
+  }
+#endif
+  std::fill(num, num + G * DV, 0.f);
+  for (int64_t i = 0; i < nd; ++i) {
+    if (i + kExactAhead < nd) prefetch_bytes(row(i + kExactAhead), DV * static_cast<int64_t>(sizeof(KV)));
+    load_f32(row(i), DV, val);
+    for (int64_t j = 0; j < G; ++j) axpy(num + j * DV, weight[j * nd + i], val, DV);
+  }
+}
+
 // Merge tasks (request, KV head) in [begin, end): softmax over the dense part's exact scores and
 // the chunks' partial states, written normalised to out.
 template <typename KV>
@@ -180,13 +288,7 @@ inline void merge_tasks(const MergeArgs& g, const KV* vc, int64_t begin, int64_t
       top[j] = std::isfinite(t) ? t : 0.f;
     }
     dense_weights(g, d0, nd, k, top.data(), weight, den.data());
-    std::fill(num.begin(), num.end(), 0.f);
-    for (int64_t i = 0; i < nd; ++i) {
-      if (i + kExactAhead < nd)  // the V rows are strided by H_kv: fetch ahead
-        prefetch_bytes(vc + (g.ds[d0 + i + kExactAhead] * h_kv + k) * DV, DV * static_cast<int64_t>(sizeof(KV)));
-      load_f32(vc + (g.ds[d0 + i] * h_kv + k) * DV, DV, val.data());
-      for (int64_t j = 0; j < G; ++j) axpy(num.data() + j * DV, weight[j * nd + i], val.data(), DV);
-    }
+    dense_values(g, vc, d0, nd, k, weight.data(), num.data(), val.data());
     for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = c * H + k * G + j;

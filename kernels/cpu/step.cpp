@@ -30,7 +30,7 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     if (phases & kExactPart) {
-      std::vector<float> key(e.D), scratch;
+      std::vector<float> key(kExactScratch * e.D), scratch;
       {  // an even share of the scattered sample and of the dense part per thread (the sample's
          // random rows cost far more per row), each a contiguous range that exact_rows prefetches within
         const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
