@@ -180,8 +180,7 @@ def bytes_read(stats, pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig) 
     elem = pb.k.element_size()
     fallback_tokens = int((stats.num_indexed * stats.dense_fallback).sum())
     per_page = store.nbytes() / store.num_pages
-    codes = store.tensors["codes"]
-    code_bytes_page = codes[0].numel() * codes.element_size() * cfg.page_size
+    code_bytes_page = store.code_bytes_per_page()
     pages = int(stats.num_pages.sum())
     dense_tokens = int((pb.seq_lens - stats.num_indexed).sum())
     sample = int(torch.clamp(stats.num_indexed, max=cfg.sample_size).sum())

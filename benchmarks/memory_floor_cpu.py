@@ -121,7 +121,7 @@ def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, round
     _, stats = step()
     pages, k_rows, v_rows = access_pattern(stats, store, plan)
     codes = store.tensors["codes"]
-    page_bytes = cfg.page_size * codes[0].numel() * codes.element_size()
+    page_bytes = store.code_bytes_per_page()
     row_bytes = pb.k.shape[2] * pb.k.element_size()
     floor = lambda: ops.touch(codes, pages, page_bytes, k_rows, v_rows, pb.k, pb.v, row_bytes)
     variants = dense_variants(pb, huge_pages)

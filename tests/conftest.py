@@ -66,7 +66,7 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[tor
     plan = plan_decode(page_table, seq_lens, config)
     rows = q.float().view(q.shape[0], h_kv, groups, -1)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    codes = store.tensors["codes"].view(store.num_pages, size, h_kv, -1)[plan.page_ids]
+    codes = store.page_codes(plan.page_ids)
     tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits)  # [n, P, H_kv, G]
     t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
     keep = (~(bounds.page_bound.unsqueeze(1) < t)) & ~(tok < t)

@@ -262,7 +262,7 @@ def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits,
     n, h_kv = len(plan.page_ids), 2
     rows = q.view(3, h_kv, 3, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    codes = store.tensors["codes"].view(store.num_pages, page_size, h_kv, -1)[plan.page_ids]
+    codes = store.page_codes(plan.page_ids)
     want = int8_token_bounds_reference(*bounds.terms, codes, bits).reshape(n, page_size, -1)
     torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
@@ -313,3 +313,26 @@ def test_certified_threshold_handles_nan_and_huge_bounds():
     assert float(habs_ref[0, 2, th.EDGE_COUNT]) > math.exp(80)  # huge masses past the last edge
     torch.testing.assert_close(out["habs"], habs_ref, rtol=1e-4, atol=1e-12)
     torch.testing.assert_close(out["hist"].cumsum(-1), hist_ref.cumsum(-1), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("bits,dim", [(4, 64), (8, 64), (2, 64), (4, 96)])
+@pytest.mark.parametrize("policy", ["budget", "certified"])
+def test_compiled_step_is_the_same_in_both_code_layouts(bits, dim, policy):
+    """The compiled step reads block16 codes (VNNI blocks as stored, or gathered per token) to the
+    same bounds as token-layout codes: identical outputs and statistics."""
+    from louver_sgl import PageIndexStore
+    from louver_sgl.decode import louver_decode
+
+    cfg = LouverConfig(page_size=32, grid_bits=bits, policy=policy, budget=0.1, eps=1e-2, sample_size=40)
+    k, v, table, lens = make_paged([700, 300, 45], 32, 2, dim, seed=11, dtype=torch.float16)
+    q = torch.randn(3, 6, dim, generator=torch.Generator().manual_seed(12)) * 2
+    plan = plan_decode(table, lens, cfg)
+    runs = []
+    for layout in ("token", "block16"):
+        store = PageIndexStore(cfg, len(k) // 32, 2, dim, k.dtype, code_layout=layout)
+        store.build_pages(k, plan.page_ids)
+        runs.append(louver_decode(q, k, v, table, lens, store, 1 / math.sqrt(dim), backend="cpp"))
+    (out_a, st_a), (out_b, st_b) = runs
+    assert torch.equal(out_a, out_b)
+    for name in ("threshold", "candidates", "union_candidates", "pages_read", "mass_bound"):
+        assert torch.equal(getattr(st_a, name), getattr(st_b, name)), name

@@ -44,7 +44,7 @@ def test_grid_radius_encloses_members(dtype):
     keys = (torch.randn(4 * 32, 3, 64) * 100).to(dtype)
     store = _store(config, keys)
     t = store.tensors
-    codes = unpack_codes(t["codes"], 4).view(4, 32, 3, 64)
+    codes = unpack_codes(store.page_codes(torch.arange(4)), 4)
     centers = grid_centers(codes, t["lo"], t["scale"]).double()
     dist = (keys.double().view(4, 32, 3, 64) - centers).abs()
     assert bool((dist <= t["radius"].double().unsqueeze(1)).all())
@@ -85,3 +85,36 @@ def test_index_bytes_are_reported():
     """Index memory per token and head: grid 4-bit at D=64 fp16 is 32 B codes + page codebooks."""
     store = PageIndexStore(LouverConfig(page_size=64, grid_bits=4), 10, 3, 64, torch.float16)
     assert store.bytes_per_token_head() == pytest.approx(32 + 3 * 2 * 64 / 64)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_block16_codes_are_the_token_codes_rearranged(bits):
+    """The block16 layout stores the same codes: page_codes reads back the token layout's bytes,
+    and a block's dword j of token t sits at [block, head, j, t]."""
+    config = LouverConfig(page_size=32, grid_bits=bits)
+    keys = torch.randn(5 * 32, 3, 64, generator=torch.Generator().manual_seed(4)) * 3
+    stores = {}
+    for layout in ("token", "block16"):
+        stores[layout] = PageIndexStore(config, 5, 3, 64, torch.float32, code_layout=layout)
+        stores[layout].build_pages(keys, torch.tensor([3, 0, 4, 1, 2]))
+    tok, blk = stores["token"], stores["block16"]
+    assert blk.tensors["codes"].shape == (5 * 2, 3, 64 * bits // 32, 16, 4)
+    pages = torch.tensor([2, 0, 4])
+    assert torch.equal(blk.page_codes(pages), tok.page_codes(pages))
+    slot, head, word = 37, 2, 1  # page 1, block 0 of it: block row 2, token 5
+    assert torch.equal(blk.tensors["codes"][slot // 16, head, word, slot % 16],
+                       tok.tensors["codes"][slot, head, 4 * word:4 * word + 4])
+    assert blk.code_bytes_per_page() == tok.code_bytes_per_page() == 32 * 3 * 64 * bits // 8
+    assert blk.nbytes() == tok.nbytes()
+
+
+def test_code_layout_default_and_bad_requests():
+    """CPU grid stores default to block16 where it applies; a layout that does not fit is refused."""
+    assert PageIndexStore(LouverConfig(page_size=32), 2, 2, 64, torch.float16).code_layout == "block16"
+    assert PageIndexStore(LouverConfig(page_size=8), 2, 2, 64, torch.float16).code_layout == "token"
+    clustered = LouverConfig(page_size=32, family="clustered", n_subspaces=8, cluster_size=4)
+    assert PageIndexStore(clustered, 2, 2, 64, torch.float16).code_layout == "token"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PageIndexStore(LouverConfig(page_size=8), 2, 2, 64, torch.float16, code_layout="block16")
+    with pytest.raises(ValueError, match="code_layout must be"):
+        PageIndexStore(LouverConfig(page_size=32), 2, 2, 64, torch.float16, code_layout="rows")

@@ -40,7 +40,7 @@ def test_step_runs_the_gpu_decode_with_the_trial_launch():
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(3))
     target = CudaTarget(device=DEVICE)
     batch = target.place(PagedBatch(q, k, v, table, lens, 0.125))
-    store = PageIndexStore(config, len(k) // 16, 2, 64, torch.float16, device=DEVICE)
+    store = PageIndexStore(config, len(k) // 16, 2, 64, torch.float16, device=DEVICE, code_layout="token")
     store.build_pages(batch.k.cpu() if DEVICE == "cpu" else batch.k, torch.arange(store.num_pages, device=DEVICE))
     out, stats = target.make_step(batch, store, config, {"pages_per_split": 4, "attend_warps": 2})()
     want, _ = louver_decode_gpu(q.half().to(DEVICE), batch.k, batch.v, batch.page_table, batch.seq_lens, store,

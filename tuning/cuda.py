@@ -46,6 +46,7 @@ class CudaTarget(Target):
 
     name = "cuda"
     fixed_config = {"family": ["grid"], "min_sparse_tokens": [0]}
+    code_layout = "token"  # the Triton kernels read token rows (also when interpreted on CPU)
 
     def __init__(self, repeats: int = 20, warmup: int = 3, device: str = "cuda") -> None:
         self._timer = CudaEventTimer(repeats, max(warmup, 1))

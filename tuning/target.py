@@ -39,9 +39,11 @@ class Timer(Protocol):
 
 
 class Target(ABC):
-    """A tunable device kind. ``name`` is the profile's ``target`` ("cpu" or "cuda")."""
+    """A tunable device kind. ``name`` is the profile's ``target`` ("cpu" or "cuda");
+    ``code_layout`` the index stores' codes layout its steps read (None: the store's default)."""
 
     name: str
+    code_layout: str | None = None
 
     def device_name(self) -> str:
         """Raw device name of this machine (recorded in the profile)."""

@@ -94,7 +94,7 @@ def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: 
     rows = q.float().view(1, store.num_kv_heads, groups, -1).expand(len(pages), -1, -1, -1).contiguous()
     bounds = store.page_bounds(rows.to(pages.device), pages)
     if int8:
-        codes = store.tensors["codes"].view(store.num_pages, size, store.num_kv_heads, -1)[pages]
+        codes = store.page_codes(pages)
         tok = int8_token_bounds_reference(*bounds.terms, codes, store.config.grid_bits)
     else:
         tok = store.token_bounds(bounds, pages)

@@ -65,7 +65,7 @@ class Workload:
         """Index every indexed page of ``batch`` (all pages: dispatch knobs vary across trials)."""
         base = config.with_(sink_pages=0, recent_pages=0, min_sparse_tokens=0)
         store = PageIndexStore(base, len(batch.k) // config.page_size, batch.k.shape[1], batch.k.shape[2],
-                               batch.k.dtype, batch.k.device)
+                               batch.k.dtype, batch.k.device, code_layout=self.target.code_layout)
         store.build_pages(batch.k, plan_decode(batch.page_table, batch.seq_lens, base).page_ids)
         return store
 

@@ -11,7 +11,7 @@ namespace louver_cpu {
 
 struct AttendArgs {
   const float* q;          // [B, H_q, D]
-  const uint8_t* codes;    // [slots, H_kv, bytes]
+  Codes codes;             // [slots, H_kv, bytes] or block16 (see Codes)
   const int64_t* page_ids; // [NP] grouped by request
   const int64_t* chunk_req;    // [NC] request of each chunk
   const int64_t* chunk_begin;  // [NC] first page row
@@ -135,14 +135,9 @@ struct ChunkRunner {
   // n·e^{σ(max u − ref)} bounds their mass with one exp per page.
   void scan_block16(int64_t first, int64_t p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int64_t G = a.groups, stride = a.h_kv * a.bytes;
+    const int64_t G = a.groups;
     __m512i dots[8];
-    const uint8_t* block = a.codes + ((first + p) * a.h_kv + k) * a.bytes;
-    if (a.bits == 4) {
-      dot_block16_vnni4(block, stride, a.dim, wsplit8.data(), G, dots);
-    } else {
-      dot_block16_vnni(block, stride, a.bits, a.dim, wsplit.data(), G, dots);
-    }
+    dot_block16(a.codes, first + p, k, a.bits, a.dim, wsplit.data(), wsplit8.data(), G, dots);
     uint32_t cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
@@ -167,11 +162,11 @@ struct ChunkRunner {
   void scan_tokens(int64_t first, int64_t p) {
     const int64_t G = a.groups, D = a.dim, P = a.page_size;
     const bool vnni = vnni_scan();
-    if (!vnni && p < P)
-      unpack_page(a.codes + first * a.h_kv * a.bytes, a.h_kv, k, a.bytes, a.bits, P, D, page_codes.data());
+    if (!vnni && p < P) unpack_page(a.codes, first, k, a.bits, P, D, page_codes.data());
+    uint8_t scratch[Codes::kMaxBytes];
     for (; p < P; ++p) {
       if (vnni) {
-        dot_token_vnni(a.codes + ((first + p) * a.h_kv + k) * a.bytes, a.bits, D, wsplit.data(), G, idot.data());
+        dot_token_vnni(a.codes.token(first + p, k, scratch), a.bits, D, wsplit.data(), G, idot.data());
       } else {
         for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
       }
@@ -460,7 +455,7 @@ void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64
   const int64_t P = a.page_size, page_block = P * a.h_kv * a.bytes, block16 = 16 * a.h_kv * a.bytes;
   const bool vnni = runners[0].vnni_scan();
   for (int64_t i = a.chunk_begin[c]; i < a.chunk_end[c]; ++i) {
-    const uint8_t* next = i + 1 < a.chunk_end[c] ? a.codes + a.page_ids[i + 1] * page_block : nullptr;
+    const uint8_t* next = i + 1 < a.chunk_end[c] ? a.codes.data + a.page_ids[i + 1] * page_block : nullptr;
     if (i + 2 < a.chunk_end[c]) runners[0].prefetch_codebooks(i + 2);
     bool any = false;
     for (auto& r : runners) any |= r.open_page(i);
@@ -492,11 +487,13 @@ inline AttendArgs attend_args(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& t_gate, const torch::Tensor& ref, double sigma, int64_t bits,
                               int64_t page_size, torch::Tensor& m_out, torch::Tensor& l_out, torch::Tensor& o_out,
                               torch::Tensor& counts, torch::Tensor& mass) {
-  return AttendArgs{q.data_ptr<float>(), codes.data_ptr<uint8_t>(), page_ids.data_ptr<int64_t>(),
+  const Codes view = codes_view(codes);
+  TORCH_CHECK(!view.block16 || page_size % 16 == 0, "block16 codes need pages of a multiple of 16 slots");
+  return AttendArgs{q.data_ptr<float>(), view, page_ids.data_ptr<int64_t>(),
                     chunk_req.data_ptr<int64_t>(), chunk_begin.data_ptr<int64_t>(), chunk_end.data_ptr<int64_t>(),
                     t.data_ptr<float>(), t_gate.data_ptr<float>(), ref.data_ptr<float>(), static_cast<float>(sigma),
                     q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), v_cache.size(2),
-                    codes.size(2), page_size, bits, chunk_req.size(0), m_out.data_ptr<float>(),
+                    view.bytes, page_size, bits, chunk_req.size(0), m_out.data_ptr<float>(),
                     l_out.data_ptr<float>(), o_out.data_ptr<float>(), counts.data_ptr<int64_t>(),
                     mass.data_ptr<double>()};
 }

@@ -134,7 +134,7 @@ struct PageScan {
 
   // The page's tokens (codes of its first slot at ``codes``; token bounds also into tok_out when
   // given, [P, ...] rows ``tok_stride`` floats apart, G heads each).
-  void scan(const uint8_t* codes, int64_t k, const float* ref, const HistRows* rows, float* tok_out,
+  void scan(const Codes& codes, int64_t first, int64_t k, const float* ref, const HistRows* rows, float* tok_out,
             int64_t tok_stride) {
     std::fill(sums.begin(), sums.end(), 0.0);
     int64_t p = 0;
@@ -143,12 +143,7 @@ struct PageScan {
       alignas(64) float ub[16];
       __m512i dots[8];
       for (; p + 16 <= P; p += 16) {
-        const uint8_t* block = codes + (p * h_kv + k) * bytes;
-        if (bits == 4) {
-          dot_block16_vnni4(block, h_kv * bytes, D, wsplit8.data(), G, dots);
-        } else {
-          dot_block16_vnni(block, h_kv * bytes, bits, D, wsplit.data(), G, dots);
-        }
+        dot_block16(codes, first + p, k, bits, D, wsplit.data(), wsplit8.data(), G, dots);
         for (int64_t g = 0; g < G; ++g) {
           const __m512 bound = token_bounds16(off[g], step[g], dots[g]);
           add_tokens16(g, bound, ref[g], rows[g], sums[g]);
@@ -160,10 +155,11 @@ struct PageScan {
       }
     }
 #endif
-    if (p < P && !vnni()) unpack_page(codes, h_kv, k, bytes, bits, P, D, page_codes.data());
+    if (p < P && !vnni()) unpack_page(codes, first, k, bits, P, D, page_codes.data());
+    uint8_t scratch[Codes::kMaxBytes];
     for (; p < P; ++p) {
       if (vnni()) {
-        dot_token_vnni(codes + (p * h_kv + k) * bytes, bits, D, wsplit.data(), G, idot.data());
+        dot_token_vnni(codes.token(first + p, k, scratch), bits, D, wsplit.data(), G, idot.data());
       } else {
         for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
       }
@@ -196,7 +192,7 @@ float edge_threshold(int64_t j, float ref, double sigma) {
 }  // namespace
 
 // q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype); codes
-// [slots, H_kv, bytes] u8; ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64
+// [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4, 16, 4] u8 (Codes); ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64
 // safety factor; rounding: relative bound on the histograms' fp64 rounding.
 // -> hist, habs [B, H_q, kEdgeCount + 2] f64 (the histogram and its absolute terms; the dropped mass
 // at edge j is cumsum(hist)[j] + rounding·cumsum(habs)[j]), t [B, H_q] f32, certificate [B, H_q] f64
@@ -208,7 +204,9 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
                          int64_t page_size, torch::Tensor hist, torch::Tensor habs, torch::Tensor t,
                          torch::Tensor certificate, torch::Tensor tok, torch::Tensor pb) {
   const int64_t n = page_ids.size(0), h_kv = lo.size(1), D = lo.size(2), B = ref.size(0);
-  const int64_t h_q = q.size(1), G = h_q / h_kv, bytes = codes.size(2), P = page_size;
+  const Codes view = codes_view(codes);
+  const int64_t h_q = q.size(1), G = h_q / h_kv, bytes = view.bytes, P = page_size;
+  TORCH_CHECK(!view.block16 || P % 16 == 0, "certified_threshold: block16 codes need pages of a multiple of 16 slots");
   TORCH_CHECK(q.is_contiguous() && ref.is_contiguous() && z_lb.is_contiguous() && hist.is_contiguous() &&
                   habs.is_contiguous() && t.is_contiguous() && certificate.is_contiguous(),
               "certified_threshold: q, ref, z_lb and the outputs must be contiguous");
@@ -220,7 +218,6 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
   const float* qp = q.data_ptr<float>();
   const int64_t* pid = page_ids.data_ptr<int64_t>();
   const int64_t* preq = page_req.data_ptr<int64_t>();
-  const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* rp = ref.data_ptr<float>();
   float* tok_out = with_bounds ? tok.data_ptr<float>() : nullptr;
   float* pb_out = with_bounds ? pb.data_ptr<float>() : nullptr;
@@ -237,7 +234,6 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
       double* base = part.data() + 3 * at::get_thread_num() * rows * W;
       for (int64_t slice = begin; slice < end; ++slice) {
         for (int64_t i = slice * n / S; i < (slice + 1) * n / S; ++i) {
-          const uint8_t* page_codes = c + pid[i] * P * h_kv * bytes;
           for (int64_t k = 0; k < h_kv; ++k) {
             const int64_t head0 = preq[i] * h_q + k * G, meta = (pid[i] * h_kv + k) * D;
             for (int64_t g = 0; g < G; ++g) {
@@ -246,7 +242,7 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
             }
             scan.open(qp + head0 * D, lp + meta, sp + meta, radp + meta);
             scan.add_pages(rp + head0, hr.data());
-            scan.scan(page_codes, k, rp + head0, hr.data(), with_bounds ? tok_out + i * P * h_q + k * G : nullptr, h_q);
+            scan.scan(view, pid[i] * P, k, rp + head0, hr.data(), with_bounds ? tok_out + i * P * h_q + k * G : nullptr, h_q);
             if (pb_out)
               for (int64_t g = 0; g < G; ++g) pb_out[i * h_q + k * G + g] = scan.pb[g];
           }

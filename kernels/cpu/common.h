@@ -361,6 +361,47 @@ inline void dot_block16_vnni4(const uint8_t* first, int64_t stride, int64_t D, c
     }
   }
 }
+
+// dot_block16_vnni / dot_block16_vnni4 for codes stored in the block16 layout (see Codes): the
+// operand vectors are read as stored, 64 bytes each, with no transpose. ``cols``: the block's
+// [bytes/4, 16, 4] bytes for one KV head; weights as for the transposing versions (8 bits:
+// channel order; 4 bits: nibble_order block 8).
+template <int BITS>
+inline void dot_block16_cols(const uint8_t* cols, int64_t D, const int8_t* w, int64_t G, __m512i* out) {
+  static_assert(BITS == 4 || BITS == 8, "VNNI blocks of 4- or 8-bit codes");
+  constexpr int kWords = BITS == 4 ? 8 : 16;  // dwords per 64 channels
+  for (int64_t g = 0; g < G; ++g) out[g] = _mm512_setzero_si512();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < D / 64; ++blk) {
+    __m512i low[kWords], high[8];
+    for (int i = 0; i < kWords; ++i) {
+      const __m512i c = _mm512_loadu_si512(cols + (blk * kWords + i) * 64);
+      if constexpr (BITS == 4) {
+        low[i] = _mm512_and_si512(c, nib);
+        high[i] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+      } else {
+        low[i] = c;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* wb = w + g * D + blk * 64;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two local chains
+      for (int i = 0; i < 8; ++i) {
+        int32_t q0, q1;
+        std::memcpy(&q0, wb + 8 * i, sizeof(q0));
+        std::memcpy(&q1, wb + 8 * i + 4, sizeof(q1));
+        if constexpr (BITS == 4) {  // low nibbles: channels 8i, 8i+2, ..; high: 8i+1, ..
+          even = _mm512_dpbusd_epi32(even, low[i], _mm512_set1_epi32(q0));
+          odd = _mm512_dpbusd_epi32(odd, high[i], _mm512_set1_epi32(q1));
+        } else {  // dwords 2i and 2i+1: channels 8i .. 8i+7
+          even = _mm512_dpbusd_epi32(even, low[2 * i], _mm512_set1_epi32(q0));
+          odd = _mm512_dpbusd_epi32(odd, low[2 * i + 1], _mm512_set1_epi32(q1));
+        }
+      }
+      out[g] = _mm512_add_epi32(out[g], _mm512_add_epi32(even, odd));
+    }
+  }
+}
 #else
 constexpr bool kHaveVnni = false;
 inline void dot_token_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*) {}
@@ -419,11 +460,50 @@ inline int32_t dot_u8s8(const uint8_t* c, const int8_t* w, int64_t D) {
   return acc;
 }
 
-// Unpack the codes of P consecutive slots [P, H_kv, bytes] (KV head k) into bytes [P, D].
-inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t bytes, int64_t bits,
-                        int64_t P, int64_t D, uint8_t* dst) {
+// The grid index's packed codes (louver_sgl/index/store.py): the "token" layout [slots, H_kv,
+// bytes], or "block16" [slots/16, H_kv, bytes/4, 16, 4]: per 16 slots and KV head, dword j of the
+// 16 tokens side by side, which is the VNNI scan's operand as stored (the transpose of 16 token
+// rows was the largest part of the scan's work). A page (a multiple of 16 slots in block16) covers
+// the same bytes in both layouts.
+struct Codes {
+  static constexpr int64_t kMaxBytes = 512;  // bytes per token and KV head (token() scratch)
+  const uint8_t* data;
+  int64_t h_kv, bytes;  // bytes per token and KV head
+  bool block16;
+
+  // The 16 tokens from slot ``first`` (a multiple of 16) of KV head k: block16, their [bytes/4,
+  // 16, 4] bytes; token layout, the first token's row (rows h_kv·bytes apart).
+  const uint8_t* block(int64_t first, int64_t k) const {
+    return data + first * h_kv * bytes + k * (block16 ? 16 * bytes : bytes);
+  }
+
+  // One token's packed codes [bytes]: in place (token layout) or gathered into scratch.
+  const uint8_t* token(int64_t slot, int64_t k, uint8_t* scratch) const {
+    if (!block16) return data + (slot * h_kv + k) * bytes;
+    const uint8_t* src = block(slot / 16 * 16, k) + slot % 16 * 4;
+    for (int64_t j = 0; j < bytes / 4; ++j) std::memcpy(scratch + 4 * j, src + 64 * j, 4);
+    return scratch;
+  }
+};
+
+// The Codes view of a codes tensor (token layout [slots, H_kv, bytes] or block16 [slots/16, H_kv,
+// bytes/4, 16, 4], uint8, contiguous).
+inline Codes codes_view(const torch::Tensor& codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  const bool block16 = codes.dim() == 5;
+  TORCH_CHECK(codes.dim() == 3 || (block16 && codes.size(3) == 16 && codes.size(4) == 4),
+              "codes must be [slots, H_kv, bytes] or [slots/16, H_kv, bytes/4, 16, 4], got ", codes.sizes());
+  const int64_t bytes = block16 ? 4 * codes.size(2) : codes.size(2);
+  TORCH_CHECK(bytes <= Codes::kMaxBytes, "codes: at most ", Codes::kMaxBytes, " bytes per token and head");
+  return Codes{codes.data_ptr<uint8_t>(), codes.size(1), bytes, block16};
+}
+
+// Unpack the codes of the P slots from ``first`` (KV head k) into bytes [P, D].
+inline void unpack_page(const Codes& codes, int64_t first, int64_t k, int64_t bits, int64_t P, int64_t D,
+                        uint8_t* dst) {
+  uint8_t scratch[Codes::kMaxBytes];
   for (int64_t p = 0; p < P; ++p) {
-    const uint8_t* in = src + (p * h_kv + k) * bytes;
+    const uint8_t* in = codes.token(first + p, k, scratch);
     uint8_t* out = dst + p * D;
     if (bits == 8) {
       std::copy(in, in + D, out);
@@ -443,6 +523,26 @@ inline void unpack_page(const uint8_t* src, int64_t h_kv, int64_t k, int64_t byt
     }
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The integer dots [G] (16 lanes each) of the 16 tokens from slot ``first`` of KV head k, in
+// either layout: wsplit (nibble_order block 64) for 8-bit codes, wsplit8 (block 8) for 4-bit.
+inline void dot_block16(const Codes& codes, int64_t first, int64_t k, int64_t bits, int64_t D,
+                        const int8_t* wsplit, const int8_t* wsplit8, int64_t G, __m512i* dots) {
+  const uint8_t* block = codes.block(first, k);
+  if (codes.block16) {
+    if (bits == 4) {
+      dot_block16_cols<4>(block, D, wsplit8, G, dots);
+    } else {
+      dot_block16_cols<8>(block, D, wsplit, G, dots);
+    }
+  } else if (bits == 4) {
+    dot_block16_vnni4(block, codes.h_kv * codes.bytes, D, wsplit8, G, dots);
+  } else {
+    dot_block16_vnni(block, codes.h_kv * codes.bytes, bits, D, wsplit, G, dots);
+  }
+}
+#endif
 
 
 // Bound on exp_ps16's relative error wherever e^x is a normal fp32 (checked by a test).

@@ -176,6 +176,8 @@ def _stats(ws: GpuWorkspace, seq_lens, heads: int, config: LouverConfig) -> Step
 def _check(q, k_cache, v_cache, page_table, store: PageIndexStore, config: LouverConfig) -> None:
     if config.family != "grid" or store.config.family != "grid":
         raise ValueError("the GPU decode path supports the grid family; use family='grid'")
+    if store.code_layout != "token":
+        raise ValueError("the GPU decode kernels read token-layout codes; make the store with code_layout='token'")
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or page_table.dim() != 2:
         raise ValueError("q must be [B, H_q, D], k/v caches [slots, H_kv, D], page_table [B, W]")
     if k_cache.shape[1:] != (store.num_kv_heads, store.head_dim) or q.shape[2] != store.head_dim:

@@ -33,7 +33,13 @@ class PageIndexStore:
     """Index tensors for ``num_pages`` pages of ``page_size`` slots.
 
     Grid family: ``lo``, ``scale``, ``radius`` ``[num_pages, H_kv, D]`` (KV dtype) and ``codes``
-    ``[num_slots, H_kv, D * bits // 8]`` uint8. Clustered family: ``centers``
+    uint8 in one of two layouts (``code_layout``): "token", ``[num_slots, H_kv, D * bits // 8]``,
+    or "block16", ``[num_slots // 16, H_kv, D * bits // 32, 16, 4]``: per 16 slots and KV head,
+    dword j of the 16 tokens side by side, which is the compiled CPU scan's operand as stored
+    (transposing 16 token rows in registers was the largest part of its work). ``code_layout=None``
+    picks block16 for grid stores on CPU whose pages are a multiple of 16 slots and whose codes are
+    whole dwords, else token (the Triton kernels read token rows). ``page_codes`` returns
+    token-major codes in either layout. Clustered family: ``centers``
     ``[num_pages, H_kv, S, C, w]``, ``radius`` ``[num_pages, H_kv, S, C]`` fp32, ``codes``
     ``[num_slots, H_kv, S]`` uint8 and optionally ``residual`` ``[num_slots, H_kv, S]``.
     """
@@ -46,6 +52,7 @@ class PageIndexStore:
         head_dim: int,
         kv_dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        code_layout: str | None = None,
     ) -> None:
         if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported KV dtype {kv_dtype}; use float32, float16 or bfloat16")
@@ -54,7 +61,9 @@ class PageIndexStore:
         self.num_pages, self.num_kv_heads, self.head_dim = num_pages, num_kv_heads, head_dim
         self.kv_dtype = kv_dtype
         self.on_cpu = torch.device(device).type == "cpu"
-        self.tensors = _allocate(config, num_pages, num_kv_heads, head_dim, kv_dtype, device)
+        self.code_bytes = _code_bytes(config, head_dim)
+        self.code_layout = _code_layout(config, self.code_bytes, self.on_cpu, code_layout)
+        self.tensors = _allocate(config, num_pages, num_kv_heads, head_dim, kv_dtype, device, self.code_layout)
         # compiled decode steps of the layers this index serves (louver_decode's fast path; keyed
         # by the step's KV caches, config, scale, backend and split; each entry keeps its caches)
         self.compiled_steps: dict = {}
@@ -84,6 +93,10 @@ class PageIndexStore:
         if self.config.family == "grid" and k_cache.is_cuda:
             from louver_kernels.triton.grid_build import grid_build
 
+            if self.code_layout != "token":
+                raise ValueError("the Triton page build writes token-layout codes; make the store with "
+                                 "code_layout='token'")
+
             t = self.tensors
             grid_build(k_cache, page_ids, t["lo"], t["scale"], t["radius"], t["codes"], self.page_size,
                        self.config.grid_bits)
@@ -94,7 +107,9 @@ class PageIndexStore:
         built = self._build(keys)
         for name, value in built.items():
             dest = self.tensors[name]
-            if name in ("codes", "residual"):
+            if name == "codes" and self.code_layout == "block16":
+                dest.view(self.num_pages, size // 16, *dest.shape[1:])[page_ids] = _to_block16(value)
+            elif name in ("codes", "residual"):
                 dest.view(self.num_pages, size, *dest.shape[1:])[page_ids] = value
             else:
                 dest[page_ids] = value
@@ -122,7 +137,7 @@ class PageIndexStore:
 
     def token_bounds(self, bounds: PageBounds, page_ids: torch.Tensor) -> torch.Tensor:
         """Token upper bounds ``[n, P, H_kv, G]`` fp32 for the pages of ``bounds``."""
-        codes = self._page_rows("codes", page_ids)
+        codes = self.page_codes(page_ids)
         if self.config.family == "grid":
             w, offset = bounds.terms
             return grid.grid_token_bounds(codes, w, offset, self.config.grid_bits)
@@ -130,23 +145,70 @@ class PageIndexStore:
         residual = self._page_rows("residual", page_ids) if self.config.residual_norms else None
         return clustered.clustered_token_bounds(codes, dots, q_norm, radius, slack, residual)
 
+    def page_codes(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """Codes of pages ``page_ids`` ``[n]`` token-major, ``[n, P, H_kv, bytes]`` uint8, in
+        either layout."""
+        if self.code_layout == "block16":
+            dest = self.tensors["codes"]
+            return _from_block16(dest.view(self.num_pages, self.page_size // 16, *dest.shape[1:])[page_ids])
+        return self._page_rows("codes", page_ids)
+
+    def code_bytes_per_page(self) -> int:
+        """Bytes of one page's codes (all KV heads)."""
+        return self.page_size * self.num_kv_heads * self.code_bytes
+
     def _page_rows(self, name: str, page_ids: torch.Tensor) -> torch.Tensor:
         dest = self.tensors[name]
         return dest.view(self.num_pages, self.page_size, *dest.shape[1:])[page_ids]
 
 
+CODE_LAYOUTS = ("token", "block16")
+
+
+def _code_bytes(cfg: LouverConfig, dim: int) -> int:
+    """Bytes of codes per token and KV head."""
+    return dim * cfg.grid_bits // 8 if cfg.family == "grid" else cfg.n_subspaces
+
+
+def _code_layout(cfg: LouverConfig, code_bytes: int, on_cpu: bool, asked: str | None) -> str:
+    """The codes' layout: ``asked``, checked, or the default (see ``PageIndexStore``)."""
+    fits = cfg.family == "grid" and cfg.page_size % 16 == 0 and code_bytes % 4 == 0
+    if asked is None:
+        return "block16" if fits and on_cpu else "token"
+    if asked not in CODE_LAYOUTS:
+        raise ValueError(f"code_layout must be one of {CODE_LAYOUTS} or None, got {asked!r}")
+    if asked == "block16" and not fits:
+        raise ValueError("code_layout 'block16' needs the grid family, a page size that is a multiple of 16 and "
+                         f"codes of whole dwords per token (got {code_bytes} bytes)")
+    return asked
+
+
+def _to_block16(codes: torch.Tensor) -> torch.Tensor:
+    """Token-major page codes ``[n, P, H_kv, bytes]`` -> ``[n, P // 16, H_kv, bytes // 4, 16, 4]``."""
+    n, size, heads, nbytes = codes.shape
+    return codes.view(n, size // 16, 16, heads, nbytes // 4, 4).permute(0, 1, 3, 4, 2, 5)
+
+
+def _from_block16(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_to_block16``: ``[n, P // 16, H_kv, bytes // 4, 16, 4]`` -> ``[n, P, H_kv, bytes]``."""
+    n, nblk, heads, words = blocks.shape[:4]
+    return blocks.permute(0, 1, 4, 2, 3, 5).reshape(n, nblk * 16, heads, words * 4)
+
+
 def _allocate(
-    cfg: LouverConfig, pages: int, heads: int, dim: int, dtype: torch.dtype, device
+    cfg: LouverConfig, pages: int, heads: int, dim: int, dtype: torch.dtype, device, code_layout: str = "token"
 ) -> dict[str, torch.Tensor]:
     # huge_zeros: on CPU a step reads a page's codes at a random place in these buffers (TLB misses)
     slots = pages * cfg.page_size
     if cfg.family == "grid":
         per_page = (pages, heads, dim)
+        nbytes = dim * cfg.grid_bits // 8
+        shape = (slots // 16, heads, nbytes // 4, 16, 4) if code_layout == "block16" else (slots, heads, nbytes)
         return {
             "lo": huge_zeros(per_page, dtype, device),
             "scale": huge_zeros(per_page, dtype, device),
             "radius": huge_zeros(per_page, dtype, device),
-            "codes": huge_zeros((slots, heads, dim * cfg.grid_bits // 8), torch.uint8, device),
+            "codes": huge_zeros(shape, torch.uint8, device),
         }
     n_sub, clusters = cfg.n_subspaces, cfg.page_size // cfg.cluster_size
     width = dim // n_sub

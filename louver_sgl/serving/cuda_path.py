@@ -102,6 +102,8 @@ class CudaDecodePath:
         done = torch.remainder(seq_lens, self.page_size) == 0
         page = torch.div(out_cache_loc.long(), self.page_size, rounding_mode="floor")
         torch.where(done, page, torch.full_like(page, -1), out=ids)
+        if store.code_layout != "token":
+            raise ValueError("the Triton page build writes token-layout codes; make the store with code_layout='token'")
         t = store.tensors
         grid_build(k_buffer, ids, t["lo"], t["scale"], t["radius"], t["codes"], self.page_size,
                    self.config.grid_bits, self.launch)

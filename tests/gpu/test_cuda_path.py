@@ -42,7 +42,7 @@ def test_prepare_decode_and_address_stability():
     config = LouverConfig(page_size=P, policy="budget", budget=0.2, sample_size=32)
     lens = torch.tensor([200, 33, 129], dtype=torch.int32, device=DEVICE)
     k, v, req_to_token, rows = _pool(lens.tolist())
-    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE)
+    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE, code_layout="token")
     store.build_pages(k.cpu(), torch.arange(store.num_pages)) if DEVICE == "cpu" else \
         store.build_pages(k, torch.arange(store.num_pages, device=DEVICE))
     path = CudaDecodePath(config, TritonLaunch(pages_per_split=4), 256, 6, 2, 64, DEVICE)
@@ -64,7 +64,7 @@ def test_build_completed_builds_only_finished_pages():
     config = LouverConfig(page_size=P)
     lens = torch.tensor([32, 33, 48], dtype=torch.int32, device=DEVICE)  # requests 0 and 2 finish a page
     k, v, req_to_token, rows = _pool(lens.tolist())
-    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE)
+    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE, code_layout="token")
     path = CudaDecodePath(config, TritonLaunch(), 256, 6, 2, 64, DEVICE)
     path.init_graph_state(4)
     last = req_to_token[rows.long(), (lens - 1).long()]

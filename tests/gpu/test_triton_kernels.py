@@ -85,7 +85,7 @@ def _setup(policy, dtype, dim=64, groups=3, seed=0, **cfg):
     config = LouverConfig(page_size=P, policy=policy, eps=0.05, fixed_threshold=4.0, budget=0.1,
                           sample_size=32, dense_fallback_fraction=1.0, **cfg)
     k, v, table, lens = make_paged(LENS, P, 2, dim, seed=seed, dtype=dtype)
-    store = PageIndexStore(config, len(k) // P, 2, dim, dtype, device=DEVICE)
+    store = PageIndexStore(config, len(k) // P, 2, dim, dtype, device=DEVICE, code_layout="token")
     store.build_pages(k.to(DEVICE), torch.arange(store.num_pages, device=DEVICE))
     gen = torch.Generator().manual_seed(seed + 1)
     q = (torch.randn(len(LENS), 2 * groups, dim, generator=gen) * 2).to(dtype)
