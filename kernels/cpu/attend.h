@@ -66,7 +66,7 @@ struct ChunkRunner {
               const KV* rad_, int64_t chunk, int64_t kv_head)
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
         head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
-        vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0),
+        vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0 && args.groups <= 8),
         cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
         off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
@@ -251,29 +251,24 @@ struct ChunkRunner {
     }
   }
 
-  // score_candidates for 16 candidates at a time: K rows to fp32 scratch, then per head 16 FMA
-  // chains (one per candidate, channel blocks outer so that the chains are independent) reduced by
-  // the transposing add tree, and the masses in fp32 (add_masses).
+  // score_candidates for 16 candidates at a time: the 16-lane partial products of every head and
+  // candidate (block_products) reduced by the transposing add tree, and the masses in fp32
+  // (add_masses).
   void score_candidates16() {
 #if defined(__AVX512F__)
     const int64_t G = a.groups, D = a.dim, P16 = cap;
+    __m512 part[8][16];  // [head][candidate]; lanes past a short block read stale finite values
+    for (int64_t g = 0; g < G; ++g)
+      for (int t = 0; t < 16; ++t) part[g][t] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
       const int64_t nb = std::min<int64_t>(16, n_cand - c0);
       const __mmask16 valid = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
-      // rows past nb keep stale finite values: their lanes are masked out below
       for (int64_t c = c0 + kKeyAhead; c < std::min(n_cand, c0 + kKeyAhead + 16); ++c)
         prefetch_row(kc + (cand_slot[c] * a.h_kv + k) * D, D);
-      for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
+      block_products(c0, nb, part);
       uint16_t need = 0;
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = a.q + (head0 + g) * D;
-        __m512 v[16];
-        for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < D; j += 16) {
-          const __m512 qj = _mm512_loadu_ps(qg + j);
-          for (int t = 0; t < 16; ++t) v[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, v[t]);
-        }
-        const __m512 s = lane_sums16_ps(v);
+        const __m512 s = lane_sums16_ps(part[g]);
         _mm512_storeu_ps(score.data() + g * P16 + c0, s);
         const __mmask16 attend = valid & ~_mm512_cmp_ps_mask(s, _mm512_set1_ps(a.t_gate[head0 + g]), _CMP_LT_OQ);
         attend_bits[g * (P16 / 16) + c0 / 16] = attend;
@@ -289,6 +284,44 @@ struct ChunkRunner {
     }
 #endif
   }
+
+#if defined(__AVX512F__)
+  // part[g][t] = the 16-lane products of head g's query and candidate c0 + t's key, summed over
+  // the channel blocks in order (its lanes add up to the score), for t < nb. With D = 64 and at most
+  // 4 heads, each key row is converted once into 4 registers and multiplied by every head's query
+  // held in registers; otherwise the rows are staged as fp32 and each head runs 16 FMA chains over
+  // them (that form was bound by its loads: every FMA reloaded a staged row).
+  void block_products(int64_t c0, int64_t nb, __m512 (*part)[16]) {
+    const int64_t G = a.groups, D = a.dim;
+    if (D == 64 && G <= 4) {
+      __m512 qv[4][4];
+      for (int64_t g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(a.q + (head0 + g) * D + 16 * c);
+      for (int64_t t = 0; t < nb; ++t) {
+        const KV* row = kc + (cand_slot[c0 + t] * a.h_kv + k) * D;
+        const __m512 x[4] = {load16_ps(row), load16_ps(row + 16), load16_ps(row + 32), load16_ps(row + 48)};
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 v = _mm512_setzero_ps();
+          for (int c = 0; c < 4; ++c) v = _mm512_fmadd_ps(x[c], qv[g][c], v);
+          part[g][t] = v;
+        }
+      }
+      return;
+    }
+    for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = a.q + (head0 + g) * D;
+      __m512* v = part[g];
+      __m512 chains[16];
+      for (int t = 0; t < 16; ++t) chains[t] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D; j += 16) {  // channel blocks outer: the 16 chains are independent
+        const __m512 qj = _mm512_loadu_ps(qg + j);
+        for (int t = 0; t < 16; ++t) chains[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, chains[t]);
+      }
+      for (int t = 0; t < 16; ++t) v[t] = chains[t];
+    }
+  }
+#endif
 
 #if defined(__AVX512F__)
   // mass[2] += a lower bound of Σ e^{σ(s − ref)} over the valid lanes, mass[1] += an upper bound of
