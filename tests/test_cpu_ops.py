@@ -49,6 +49,19 @@ def test_exact_part_matches_torch(dtype):
     assert torch.equal(got.sample[1], want.sample[1])
 
 
+@pytest.mark.parametrize("where", ["dense", "sample"])
+def test_exact_part_reference_score_propagates_nan(where):
+    """A NaN exact score (dense part or sample) makes its head's reference score NaN, as torch's
+    amax; the other heads keep the largest score."""
+    q, k, _, plan, cfg = _batch(torch.float32)
+    slots = plan.dense_slots if where == "dense" else plan.sample_slots
+    k[slots[5], 1, :] = float("nan")  # every head of KV head 1 in that row's request
+    want = exact_part(q, k, plan, 0.125)
+    got, _ = compiled_exact_part(q, k, plan, 0.125, cfg.sample_size, OPS)
+    assert bool(want.ref.isnan().any())
+    torch.testing.assert_close(got.ref, want.ref, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0])
 def test_exact_part_budget_threshold_matches_torch(fraction):
     """The compiled budget T (n-th largest sample score per head) equals threshold.budget_threshold,
