@@ -373,32 +373,9 @@ struct ChunkRunner {
     const int64_t G = a.groups, DV = a.dim_v, P16 = cap;
 #if defined(__AVX512F__)
     if (DV % 64 == 0) {
-      for (int64_t g0 = 0; g0 < G; g0 += 4)
-        for (int64_t d0 = 0; d0 < DV; d0 += 64) {
-          const int64_t ng = std::min<int64_t>(4, G - g0);
-          const bool first_pass = g0 == 0 && d0 == 0;
-          __m512 r[4][4];
-          for (int64_t j = 0; j < ng; ++j)
-            for (int c = 0; c < 4; ++c) r[j][c] = _mm512_loadu_ps(acc.data() + (g0 + j) * DV + d0 + 16 * c);
-          if (first_pass)  // the rows the loop's look-ahead does not cover
-            for (int64_t i = 0; i < std::min(nv, kValueAhead); ++i)
-              prefetch_row(vc + (cand_slot[value_rows[i]] * a.h_kv + k) * DV, DV);
-          for (int64_t i = 0; i < nv; ++i) {
-            if (first_pass && i + kValueAhead < nv)
-              prefetch_row(vc + (cand_slot[value_rows[i + kValueAhead]] * a.h_kv + k) * DV, DV);
-            const int64_t row = value_rows[i];
-            const KV* v = vc + (cand_slot[row] * a.h_kv + k) * DV + d0;
-            const __m512 x[4] = {load16_ps(v), load16_ps(v + 16), load16_ps(v + 32), load16_ps(v + 48)};
-            for (int64_t j = 0; j < ng; ++j) {
-              const float e = weight[(g0 + j) * P16 + row];
-              const __mmask16 on = e != 0.f ? __mmask16(0xFFFF) : __mmask16(0);
-              const __m512 ev = _mm512_set1_ps(e);
-              for (int c = 0; c < 4; ++c) r[j][c] = _mm512_mask3_fmadd_ps(ev, x[c], r[j][c], on);
-            }
-          }
-          for (int64_t j = 0; j < ng; ++j)
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc.data() + (g0 + j) * DV + d0 + 16 * c, r[j][c]);
-        }
+      const auto row = [&](int64_t i) { return vc + (cand_slot[value_rows[i]] * a.h_kv + k) * DV; };
+      const auto wt = [&](int64_t g, int64_t i) { return weight[g * P16 + value_rows[i]]; };
+      accumulate_rows<KV>(row, wt, nv, G, DV, acc.data(), true, kValueAhead);
       return;
     }
 #endif

@@ -667,4 +667,38 @@ inline std::vector<int64_t> request_bounds(const int64_t* req, int64_t n, int64_
   return bounds;
 }
 
+#if defined(__AVX512F__)
+// acc [G, DV] += Σ_i weight(j, i)·row(i) over n rows of KV type (DV a multiple of 64): the sums of
+// up to 4 heads × 64 channels stay in 16 registers over all rows, instead of a load and store per
+// row and head. skip_zero: a zero weight adds nothing (not even 0·inf). Rows are fetched ``ahead``
+// rows early.
+template <typename KV, typename Row, typename Weight>
+inline void accumulate_rows(const Row& row, const Weight& weight, int64_t n, int64_t G, int64_t DV, float* acc,
+                            bool skip_zero, int64_t ahead) {
+  const int64_t row_bytes = DV * static_cast<int64_t>(sizeof(KV));
+  for (int64_t i = 0; i < std::min(n, ahead); ++i) prefetch_bytes(row(i), row_bytes);
+  for (int64_t g0 = 0; g0 < G; g0 += 4)
+    for (int64_t d0 = 0; d0 < DV; d0 += 64) {
+      const int64_t ng = std::min<int64_t>(4, G - g0);
+      const bool first_pass = g0 == 0 && d0 == 0;
+      __m512 r[4][4];
+      for (int64_t j = 0; j < ng; ++j)
+        for (int c = 0; c < 4; ++c) r[j][c] = _mm512_loadu_ps(acc + (g0 + j) * DV + d0 + 16 * c);
+      for (int64_t i = 0; i < n; ++i) {
+        if (first_pass && i + ahead < n) prefetch_bytes(row(i + ahead), row_bytes);
+        const KV* v = row(i) + d0;
+        const __m512 x[4] = {load16_ps(v), load16_ps(v + 16), load16_ps(v + 32), load16_ps(v + 48)};
+        for (int64_t j = 0; j < ng; ++j) {
+          const float e = weight(g0 + j, i);
+          const __mmask16 on = !skip_zero || e != 0.f ? __mmask16(0xFFFF) : __mmask16(0);
+          const __m512 ev = _mm512_set1_ps(e);
+          for (int c = 0; c < 4; ++c) r[j][c] = _mm512_mask3_fmadd_ps(ev, x[c], r[j][c], on);
+        }
+      }
+      for (int64_t j = 0; j < ng; ++j)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + j) * DV + d0 + 16 * c, r[j][c]);
+    }
+}
+#endif
+
 }  // namespace louver_cpu

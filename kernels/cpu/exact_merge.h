@@ -238,33 +238,15 @@ inline void dense_values(const MergeArgs& g, const KV* vc, int64_t d0, int64_t n
                          float* num, float* val) {
   const int64_t G = g.G, DV = g.DV, h_kv = g.h_kv;
   const auto row = [&](int64_t i) { return vc + (g.ds[d0 + i] * h_kv + k) * DV; };
-  for (int64_t i = 0; i < std::min(nd, kExactAhead); ++i) prefetch_bytes(row(i), DV * static_cast<int64_t>(sizeof(KV)));
+  std::fill(num, num + G * DV, 0.f);
 #if defined(__AVX512F__)
   if (DV % 64 == 0) {
-    for (int64_t g0 = 0; g0 < G; g0 += 4)
-      for (int64_t c0 = 0; c0 < DV; c0 += 64) {
-        const int64_t ng = std::min<int64_t>(4, G - g0);
-        const bool first_pass = g0 == 0 && c0 == 0;
-        __m512 r[4][4];
-        for (int64_t j = 0; j < ng; ++j)
-          for (int c = 0; c < 4; ++c) r[j][c] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nd; ++i) {
-          if (first_pass && i + kExactAhead < nd)  // the V rows are strided by H_kv: fetch ahead
-            prefetch_bytes(row(i + kExactAhead), DV * static_cast<int64_t>(sizeof(KV)));
-          const KV* v = row(i) + c0;
-          const __m512 x[4] = {load16_ps(v), load16_ps(v + 16), load16_ps(v + 32), load16_ps(v + 48)};
-          for (int64_t j = 0; j < ng; ++j) {
-            const __m512 e = _mm512_set1_ps(weight[(g0 + j) * nd + i]);
-            for (int c = 0; c < 4; ++c) r[j][c] = _mm512_fmadd_ps(e, x[c], r[j][c]);
-          }
-        }
-        for (int64_t j = 0; j < ng; ++j)
-          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(num + (g0 + j) * DV + c0 + 16 * c, r[j][c]);
-      }
+    accumulate_rows<KV>(row, [&](int64_t j, int64_t i) { return weight[j * nd + i]; }, nd, G, DV, num, false,
+                        kExactAhead);
     return;
   }
 #endif
-  std::fill(num, num + G * DV, 0.f);
+  for (int64_t i = 0; i < std::min(nd, kExactAhead); ++i) prefetch_bytes(row(i), DV * static_cast<int64_t>(sizeof(KV)));
   for (int64_t i = 0; i < nd; ++i) {
     if (i + kExactAhead < nd) prefetch_bytes(row(i + kExactAhead), DV * static_cast<int64_t>(sizeof(KV)));
     load_f32(row(i), DV, val);
