@@ -316,7 +316,8 @@ struct ChunkRunner {
       for (int t = 0; t < 16; ++t) chains[t] = _mm512_setzero_ps();
       for (int64_t j = 0; j < D; j += 16) {  // channel blocks outer: the 16 chains are independent
         const __m512 qj = _mm512_loadu_ps(qg + j);
-        for (int t = 0; t < 16; ++t) chains[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, chains[t]);
+        for (int t = 0; t < 16; ++t)
+          chains[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, chains[t]);
       }
       for (int t = 0; t < 16; ++t) v[t] = chains[t];
     }
@@ -457,9 +458,9 @@ struct ChunkRunner {
 };
 
 // One chunk of pages for all KV heads. A page's codes for all heads are one contiguous block
-// [P, H_kv, bytes]; the scan walks it in 16-token blocks with every open head per block, so the
-// block streams from memory once and in order, while the same block of the next page is
-// prefetched.
+// (P·H_kv·bytes, in either layout); the scan walks it in 16-token blocks with every open head per
+// block, so the block streams from memory once and in order, while the same block of the next
+// page is prefetched.
 template <typename KV>
 void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64_t c) {
   const int64_t P = a.page_size, page_block = P * a.h_kv * a.bytes, block16 = 16 * a.h_kv * a.bytes;

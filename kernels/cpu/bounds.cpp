@@ -132,7 +132,7 @@ struct PageScan {
     sum += e;
   }
 
-  // The page's tokens (codes of its first slot at ``codes``; token bounds also into tok_out when
+  // The page's tokens (its first slot ``first`` in ``codes``; token bounds also into tok_out when
   // given, [P, ...] rows ``tok_stride`` floats apart, G heads each).
   void scan(const Codes& codes, int64_t first, int64_t k, const float* ref, const HistRows* rows, float* tok_out,
             int64_t tok_stride) {
@@ -192,8 +192,9 @@ float edge_threshold(int64_t j, float ref, double sigma) {
 }  // namespace
 
 // q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype); codes
-// [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4, 16, 4] u8 (Codes); ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64
-// safety factor; rounding: relative bound on the histograms' fp64 rounding.
+// u8 [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4, 16, 4] (see Codes); ref [B, H_q]
+// f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64 safety factor; rounding: relative bound
+// on the histograms' fp64 rounding.
 // -> hist, habs [B, H_q, kEdgeCount + 2] f64 (the histogram and its absolute terms; the dropped mass
 // at edge j is cumsum(hist)[j] + rounding·cumsum(habs)[j]), t [B, H_q] f32, certificate [B, H_q] f64
 // (that mass at the chosen edge, relative to ref; 0 where T = −inf). tok [n, P, H_q] f32 and pb
