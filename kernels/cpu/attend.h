@@ -309,18 +309,7 @@ struct ChunkRunner {
       return;
     }
     for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = a.q + (head0 + g) * D;
-      __m512* v = part[g];
-      __m512 chains[16];
-      for (int t = 0; t < 16; ++t) chains[t] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D; j += 16) {  // channel blocks outer: the 16 chains are independent
-        const __m512 qj = _mm512_loadu_ps(qg + j);
-        for (int t = 0; t < 16; ++t)
-          chains[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows16.data() + t * D + j), qj, chains[t]);
-      }
-      for (int t = 0; t < 16; ++t) v[t] = chains[t];
-    }
+    for (int64_t g = 0; g < G; ++g) staged_products16(rows16.data(), a.q + (head0 + g) * D, D, part[g]);
   }
 #endif
 

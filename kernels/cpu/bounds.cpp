@@ -41,7 +41,7 @@ struct HistRows {
 // One page and KV head: the int8 token weights of its G query heads, exactly as the attend pass
 // builds them (ChunkRunner::open_page), then every token's bound into the histograms.
 struct PageScan {
-  int64_t G, D, bits, P, bytes, h_kv;
+  int64_t G, D, bits, P;
   double sigma;
   std::vector<float> book, w, off, pb, step;
   std::vector<int8_t> wq, wsplit, wsplit8;
@@ -50,8 +50,8 @@ struct PageScan {
   std::vector<int32_t> idot;  // per-token integer dots; members: scan runs per page and KV head
   std::vector<double> sums;   // per head, the page's counted token masses
 
-  PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, int64_t bytes_, int64_t h_kv_, double sigma_)
-      : G(G_), D(D_), bits(bits_), P(P_), bytes(bytes_), h_kv(h_kv_), sigma(sigma_), book(3 * D_), w(G_ * D_),
+  PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, double sigma_)
+      : G(G_), D(D_), bits(bits_), P(P_), sigma(sigma_), book(3 * D_), w(G_ * D_),
         off(G_), pb(G_), step(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
         page_codes(P_ * D_), page_bin(G_), idot(G_), sums(G_) {}
 
@@ -206,7 +206,7 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
                          torch::Tensor certificate, torch::Tensor tok, torch::Tensor pb) {
   const int64_t n = page_ids.size(0), h_kv = lo.size(1), D = lo.size(2), B = ref.size(0);
   const Codes view = codes_view(codes);
-  const int64_t h_q = q.size(1), G = h_q / h_kv, bytes = view.bytes, P = page_size;
+  const int64_t h_q = q.size(1), G = h_q / h_kv, P = page_size;
   TORCH_CHECK(!view.block16 || P % 16 == 0, "certified_threshold: block16 codes need pages of a multiple of 16 slots");
   TORCH_CHECK(q.is_contiguous() && ref.is_contiguous() && z_lb.is_contiguous() && hist.is_contiguous() &&
                   habs.is_contiguous() && t.is_contiguous() && certificate.is_contiguous(),
@@ -230,7 +230,7 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* radp = radius.data_ptr<scalar_t>();
     at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-      PageScan scan(G, D, bits, P, bytes, h_kv, sigma);
+      PageScan scan(G, D, bits, P, sigma);
       std::vector<HistRows> hr(G);
       double* base = part.data() + 3 * at::get_thread_num() * rows * W;
       for (int64_t slice = begin; slice < end; ++slice) {

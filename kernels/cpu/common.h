@@ -557,6 +557,17 @@ constexpr double kMassUp = 1.0 + 0x1p-15, kMassDown = 1.0 - 0x1p-15;
 #if defined(__AVX512F__)
 
 // Lane t of the result is the sum of the 16 lanes of v[t].
+// v[t] = the 16-lane products of q [D] and staged fp32 row t of rows [16, D], summed over the
+// channel blocks in order (lane_sums16_ps(v) then holds the 16 dot products). Channel blocks
+// outer: the 16 FMA chains are independent.
+inline void staged_products16(const float* rows, const float* q, int64_t D, __m512* v) {
+  for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D; j += 16) {
+    const __m512 qj = _mm512_loadu_ps(q + j);
+    for (int t = 0; t < 16; ++t) v[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + t * D + j), qj, v[t]);
+  }
+}
+
 inline __m512 lane_sums16_ps(const __m512* v) {
   __m512 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)

@@ -66,15 +66,13 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
 constexpr int64_t kExactAhead = 12;  // rows prefetched ahead by exact_rows
 constexpr int64_t kExactScratch = 16;  // rows of the scratch exact_rows takes, in units of D
 
-// Where row ``row`` of the exact part (0..ND-1 the dense part, ND..ND+NS-1 the sample) writes its
-// H scores, and its request.
-inline float* exact_dst(const ExactArgs& e, int64_t row, int64_t* req) {
-  if (row < e.nd) {
-    *req = e.dr[row];
-    return e.sd + row * e.H;
-  }
+// Row ``row`` of the exact part (0..ND-1 the dense part, ND..ND+NS-1 the sample): its KV slot, its
+// request, and where it writes its H scores.
+inline int64_t exact_slot(const ExactArgs& e, int64_t row) { return row < e.nd ? e.ds[row] : e.ss[row - e.nd]; }
+inline int64_t exact_req(const ExactArgs& e, int64_t row) { return row < e.nd ? e.dr[row] : e.sr[row - e.nd]; }
+inline float* exact_dst(const ExactArgs& e, int64_t row) {
+  if (row < e.nd) return e.sd + row * e.H;
   const int64_t i = row - e.nd, b = e.sr[i];
-  *req = b;
   return e.sp + (b * e.M + (i - e.s_bounds[b])) * e.H;
 }
 
@@ -85,29 +83,22 @@ inline float* exact_dst(const ExactArgs& e, int64_t row, int64_t* req) {
 // rows: scratch [16, D] (lanes past a short block read stale finite rows and are not written).
 template <typename KV>
 inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_t end, float* rows) {
-  const int64_t D = e.D, row_elems = e.h_kv * D;
-  const auto slot_of = [&e](int64_t row) { return row < e.nd ? e.ds[row] : e.ss[row - e.nd]; };
+  const int64_t D = e.D, row_elems = e.h_kv * D, row_bytes = row_elems * static_cast<int64_t>(sizeof(KV));
   for (int64_t r = begin; r < std::min(end, begin + 16); ++r)
-    prefetch_bytes(kc + slot_of(r) * row_elems, row_elems * static_cast<int64_t>(sizeof(KV)));
+    prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
   alignas(64) float lanes[16];
   for (int64_t row = begin; row < end;) {
-    int64_t b, other;
-    float* dst = exact_dst(e, row, &b);
-    const int64_t part_end = row < e.nd ? std::min(end, e.nd) : end;
+    const int64_t b = exact_req(e, row), part_end = row < e.nd ? std::min(end, e.nd) : end;
+    float* dst = exact_dst(e, row);
     int64_t n = 1;
-    while (n < 16 && row + n < part_end && (exact_dst(e, row + n, &other), other == b)) ++n;
+    while (n < 16 && row + n < part_end && exact_req(e, row + n) == b) ++n;
     for (int64_t r = row + 16; r < std::min(end, row + 32); ++r)  // the next block (rows are scattered)
-      prefetch_bytes(kc + slot_of(r) * row_elems, row_elems * static_cast<int64_t>(sizeof(KV)));
+      prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
     for (int64_t k = 0; k < e.h_kv; ++k) {
-      for (int64_t t = 0; t < n; ++t) load_f32(kc + slot_of(row + t) * row_elems + k * D, D, rows + t * D);
+      for (int64_t t = 0; t < n; ++t) load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
       for (int64_t g = 0; g < e.G; ++g) {
-        const float* qg = e.q + (b * e.H + k * e.G + g) * D;
         __m512 v[16];
-        for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < D; j += 16) {
-          const __m512 qj = _mm512_loadu_ps(qg + j);
-          for (int t = 0; t < 16; ++t) v[t] = _mm512_fmadd_ps(_mm512_loadu_ps(rows + t * D + j), qj, v[t]);
-        }
+        staged_products16(rows, e.q + (b * e.H + k * e.G + g) * D, D, v);
         _mm512_store_ps(lanes, lane_sums16_ps(v));
         for (int64_t t = 0; t < n; ++t) {
           // rows of one part are consecutive: dense rows H apart, a request's sample rows too
@@ -128,13 +119,11 @@ inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t 
   if (e.D % 16 == 0) return exact_rows16(e, kc, begin, end, scratch);
 #endif
   for (int64_t row = begin; row < end; ++row) {
-    int64_t b;
-    float* dst = exact_dst(e, row, &b);
-    const int64_t slot = row < e.nd ? e.ds[row] : e.ss[row - e.nd];
-    if (row + kExactAhead < end) {  // the rows are scattered (the sample is random): fetch ahead
-      const int64_t next = row + kExactAhead, s = next < e.nd ? e.ds[next] : e.ss[next - e.nd];
-      prefetch_bytes(kc + s * e.h_kv * e.D, e.h_kv * e.D * static_cast<int64_t>(sizeof(KV)));
-    }
+    const int64_t b = exact_req(e, row), slot = exact_slot(e, row);
+    float* dst = exact_dst(e, row);
+    if (row + kExactAhead < end)  // the rows are scattered (the sample is random): fetch ahead
+      prefetch_bytes(kc + exact_slot(e, row + kExactAhead) * e.h_kv * e.D,
+                     e.h_kv * e.D * static_cast<int64_t>(sizeof(KV)));
     for (int64_t k = 0; k < e.h_kv; ++k) {
       load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, scratch);
       for (int64_t g = 0; g < e.G; ++g)
