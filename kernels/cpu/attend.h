@@ -66,7 +66,7 @@ struct ChunkRunner {
               const KV* rad_, int64_t chunk, int64_t kv_head)
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
         head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
-        vector_scores(kHaveAvx512 && args.dim % 16 == 0 && args.dim_v % 16 == 0 && args.groups <= 8),
+        vector_scores((kHaveAvx512 || kHaveAvx2) && args.dim % 16 == 0 && args.dim_v % 16 == 0 && args.groups <= 8),
         cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
         off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
@@ -124,11 +124,19 @@ struct ChunkRunner {
         if (tokens) nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
         if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
+    } else if (avx2_scan()) {
+      for (int64_t g = 0; g < G; ++g) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
     }
     return true;
   }
 
   bool vnni_scan() const { return kHaveVnni && a.dim % 64 == 0 && (a.bits == 4 || a.bits == 8) && a.groups <= 8; }
+
+  // The 8-lane scan (AVX2 builds): 4-bit codes in the block16 layout (pages of a multiple of 16).
+  bool avx2_scan() const { return kHaveAvx2 && a.codes.block16 && a.bits == 4 && a.dim % 64 == 0 && a.groups <= 8; }
+
+  // Whether the scan walks 16-token blocks (scan_block16) instead of single tokens.
+  bool block_scan() const { return vnni_scan() || avx2_scan(); }
 
   // Token bounds of the open page's tokens p .. p+15 (int8 weights against byte codes, VNNI), then
   // the candidate gate. Dropped tokens are accounted per head by count and largest bound:
@@ -149,6 +157,28 @@ struct ChunkRunner {
         _mm512_storeu_ps(drop_lanes.data() + 16 * g, _mm512_mask_max_ps(seen, drop, seen, ub));
       }
       cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
+    }
+    for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
+#elif defined(LOUVER_AVX2)
+    const int64_t G = a.groups;
+    alignas(32) int32_t dots[8 * 16];
+    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, wsplit8.data(), G, dots);
+    uint32_t cand = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (!keep_page[g]) continue;
+      const __m256 t = _mm256_set1_ps(a.t[head0 + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 ub = token_bounds8(off[g], step[g], _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h)));
+        const __m256 below = _mm256_cmp_ps(ub, t, _CMP_LT_OQ);  // NaN keeps
+        const uint32_t drop = static_cast<uint32_t>(_mm256_movemask_ps(below));
+        if (drop) {  // the largest dropped bound per lane, as the 16-lane version
+          drop_count[g] += __builtin_popcount(drop);
+          float* lanes = drop_lanes.data() + 16 * g + 8 * h;
+          const __m256 seen = _mm256_loadu_ps(lanes);
+          _mm256_storeu_ps(lanes, _mm256_blendv_ps(seen, _mm256_max_ps(seen, ub), below));
+        }
+        cand |= (~drop & 0xFFu) << (8 * h);
+      }
     }
     for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
 #else
@@ -255,6 +285,9 @@ struct ChunkRunner {
   // candidate (block_products) reduced by the transposing add tree, and the masses in fp32
   // (add_masses).
   void score_candidates16() {
+#if defined(LOUVER_AVX2)
+    return score_candidates16_avx2();
+#endif
 #if defined(__AVX512F__)
     const int64_t G = a.groups, D = a.dim, P16 = cap;
     __m512 part[8][16];  // [head][candidate]; lanes past a short block read stale finite values
@@ -310,6 +343,61 @@ struct ChunkRunner {
     }
     for (int64_t t = 0; t < nb; ++t) load_f32(kc + (cand_slot[c0 + t] * a.h_kv + k) * D, D, rows16.data() + t * D);
     for (int64_t g = 0; g < G; ++g) staged_products16(rows16.data(), a.q + (head0 + g) * D, D, part[g]);
+  }
+#endif
+
+#if defined(LOUVER_AVX2)
+  // score_candidates16 with 8 lanes: per candidate, the 8-lane partial products of every head
+  // (one pass over the key row, the queries read from L1), reduced 8 candidates at a time by the
+  // transposing add tree.
+  void score_candidates16_avx2() {
+    const int64_t G = a.groups, D = a.dim, P16 = cap;
+    __m256 part[8][16];  // [head][candidate]; lanes past a short block read stale finite values
+    for (int64_t g = 0; g < G; ++g)
+      for (int t = 0; t < 16; ++t) part[g][t] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, n_cand - c0);
+      const uint32_t valid = nb == 16 ? 0xFFFFu : (1u << nb) - 1;
+      for (int64_t c = c0 + kKeyAhead; c < std::min(n_cand, c0 + kKeyAhead + 16); ++c)
+        prefetch_row(kc + (cand_slot[c] * a.h_kv + k) * D, D);
+      for (int64_t t = 0; t < nb; ++t) {
+        const KV* row = kc + (cand_slot[c0 + t] * a.h_kv + k) * D;
+        __m256 v[8];
+        for (int64_t g = 0; g < G; ++g) v[g] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x = load8_ps(row + d);
+          for (int64_t g = 0; g < G; ++g) v[g] = _mm256_fmadd_ps(x, _mm256_loadu_ps(a.q + (head0 + g) * D + d), v[g]);
+        }
+        for (int64_t g = 0; g < G; ++g) part[g][t] = v[g];
+      }
+      uint32_t need = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 gate = _mm256_set1_ps(a.t_gate[head0 + g]);
+        uint32_t attend = 0;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = lane_sums8_ps(part[g] + 8 * h);
+          _mm256_storeu_ps(score.data() + g * P16 + c0 + 8 * h, s);
+          const uint32_t lanes = (valid >> (8 * h)) & 0xFFu;
+          const uint32_t on = lanes & ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(s, gate, _CMP_LT_OQ)));
+          add_masses8(s, lanes, on, st[g], a.ref[head0 + g]);
+          attend |= on << (8 * h);
+        }
+        attend_bits[g * (P16 / 16) + c0 / 16] = static_cast<uint16_t>(attend);
+        need |= attend;
+      }
+      need_bits[c0 / 16] = static_cast<uint16_t>(need);
+      for (uint32_t bits = need; bits; bits &= bits - 1)
+        prefetch_bytes_l2(vc + (cand_slot[c0 + __builtin_ctz(bits)] * a.h_kv + k) * a.dim_v,
+                          a.dim_v * static_cast<int64_t>(sizeof(KV)));
+    }
+  }
+
+  // add_masses for 8 lanes (bit i of valid / attend: lane i).
+  void add_masses8(__m256 s, uint32_t valid, uint32_t attend, HeadState& h, float ref) const {
+    const __m256 x = _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_sub_ps(s, _mm256_set1_ps(ref)));
+    h.mass[2] += double(exp_sum_low8(x, valid)) * kMassDown;
+    const uint32_t gated = valid & ~attend;
+    if (gated) h.mass[1] += double(exp_sum_high8(x, gated)) * kMassUp;
   }
 #endif
 
@@ -396,6 +484,21 @@ struct ChunkRunner {
       *top = _mm512_reduce_max_ps(m);
       return count;
     }
+#elif defined(LOUVER_AVX2)
+    if (vector_scores) {
+      __m256 m = _mm256_set1_ps(-INFINITY);
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int h = 0; h < 2; ++h) {
+          const __m256 x = _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_loadu_ps(sg + 16 * blk + 8 * h));
+          const __m256 on = _mm256_and_ps(lane_mask8(ab[blk] >> (8 * h)), _mm256_cmp_ps(x, x, _CMP_ORD_Q));
+          m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, on));
+        }
+      for (int64_t blk = 0; blk < blocks; ++blk) count += __builtin_popcount(ab[blk]);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m);
+      *top = *std::max_element(lanes, lanes + 8);
+      return count;
+    }
 #endif
     for (int64_t c = 0; c < n_cand; ++c)
       if (ab[c / 16] >> (c % 16) & 1) {
@@ -420,6 +523,20 @@ struct ChunkRunner {
         sum = _mm512_add_ps(sum, e);
       }
       h.l += _mm512_reduce_add_ps(sum);
+      return;
+    }
+#elif defined(LOUVER_AVX2)
+    if (vector_scores) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int half = 0; half < 2; ++half) {
+          const __m256 x = _mm256_sub_ps(
+              _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_loadu_ps(sg + 16 * blk + 8 * half)), _mm256_set1_ps(h.m));
+          const __m256 e = _mm256_and_ps(lane_mask8(ab[blk] >> (8 * half)), exp_ps8(x));
+          _mm256_storeu_ps(wg + 16 * blk + 8 * half, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+      h.l += hsum8_ps(sum);
       return;
     }
 #endif
@@ -453,7 +570,7 @@ struct ChunkRunner {
 template <typename KV>
 void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64_t c) {
   const int64_t P = a.page_size, page_block = P * a.h_kv * a.bytes, block16 = 16 * a.h_kv * a.bytes;
-  const bool vnni = runners[0].vnni_scan();
+  const bool blocks = runners[0].block_scan();
   for (int64_t i = a.chunk_begin[c]; i < a.chunk_end[c]; ++i) {
     const uint8_t* next = i + 1 < a.chunk_end[c] ? a.codes.data + a.page_ids[i + 1] * page_block : nullptr;
     if (i + 2 < a.chunk_end[c]) runners[0].prefetch_codebooks(i + 2);
@@ -462,7 +579,7 @@ void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64
     if (!any) continue;
     const int64_t first = a.page_ids[i] * P;
     int64_t p = 0;
-    if (vnni) {
+    if (blocks) {
       for (; p + 16 <= P; p += 16) {
         if (next) prefetch_bytes_l2(next + p / 16 * block16, block16);
         for (auto& r : runners)

@@ -57,16 +57,17 @@ struct PageScan {
 
   bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
 
+  // The attend pass's 8-lane scan (ChunkRunner::avx2_scan) applies: AVX2 builds, 4-bit block16 codes.
+  bool avx2_blocks(const Codes& codes) const { return kHaveAvx2 && codes.block16 && bits == 4 && D % 64 == 0 && G <= 8; }
+
   template <typename M>
   void open(const float* q, const M* lo, const M* sc, const M* rad) {
     load_codebook(lo, sc, rad, D, book.data());
     page_terms(q, book.data(), book.data() + D, book.data() + 2 * D, G, D, bits, w.data(), off.data(), pb.data());
     for (int64_t g = 0; g < G; ++g) {
       off[g] += quantize_weights(w.data() + g * D, D, bits, wq.data() + g * D, &step[g]);
-      if (vnni()) {
-        nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
-        if (bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
-      }
+      if (vnni()) nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
+      if ((vnni() || kHaveAvx2) && bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
     }
   }
 
@@ -152,6 +153,23 @@ struct PageScan {
             for (int t = 0; t < 16; ++t) tok_out[(p + t) * tok_stride + g] = ub[t];
           }
         }
+      }
+    }
+#elif defined(LOUVER_AVX2)
+    if (avx2_blocks(codes)) {  // bounds from the attend pass's operations (token_bounds8)
+      alignas(32) int32_t dots[8 * 16];
+      alignas(32) float ub[8];
+      for (; p + 16 <= P; p += 16) {
+        dot_block16_avx2_4bit(codes.block(first + p, k), D, wsplit8.data(), G, dots);
+        for (int64_t g = 0; g < G; ++g)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h));
+            _mm256_store_ps(ub, token_bounds8(off[g], step[g], d));
+            for (int t = 0; t < 8; ++t) {
+              add_token(g, ub[t], ref[g], rows[g], sums[g]);
+              if (tok_out) tok_out[(p + 8 * h + t) * tok_stride + g] = ub[t];
+            }
+          }
       }
     }
 #endif

@@ -23,24 +23,36 @@ uint32_t to_bits(float f) {
   return u;
 }
 
-// Largest |exp_ps16(x) − e^x| / e^x over the fp32 bit patterns [first, last] (one sign).
+// The build's vector exp (exp_ps16 with AVX-512, exp_ps8 with AVX2) of xs[16] into ys[16].
+void vector_exp16(const float* xs, float* ys) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(ys, exp_ps16(_mm512_loadu_ps(xs)));
+#elif defined(LOUVER_AVX2)
+  _mm256_storeu_ps(ys, exp_ps8(_mm256_loadu_ps(xs)));
+  _mm256_storeu_ps(ys + 8, exp_ps8(_mm256_loadu_ps(xs + 8)));
+#else
+  (void)xs;
+  (void)ys;
+#endif
+}
+
+// Largest |exp(x) − e^x| / e^x of the build's vector exp over the fp32 bit patterns [first, last]
+// (one sign).
 double exp_error_patterns(uint32_t first, uint32_t last) {
   std::mutex lock;
   double worst = 0.0;
   const int64_t n = int64_t(last) - int64_t(first) + 1;
   at::parallel_for(0, (n + 15) / 16, 1 << 16, [&](int64_t begin, int64_t end) {
     double local = 0.0;
-#if defined(__AVX512F__)
     alignas(64) float xs[16], ys[16];
     for (int64_t blk = begin; blk < end; ++blk) {
       for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
-      _mm512_store_ps(ys, exp_ps16(_mm512_load_ps(xs)));
+      vector_exp16(xs, ys);
       for (int i = 0; i < 16; ++i) {
         const double e = std::exp(double(xs[i]));
         local = std::max(local, std::fabs(double(ys[i]) - e) / e);
       }
     }
-#endif
     std::lock_guard<std::mutex> guard(lock);
     worst = std::max(worst, local);
   });
@@ -49,10 +61,11 @@ double exp_error_patterns(uint32_t first, uint32_t last) {
 
 }  // namespace
 
-// (largest relative error of exp_ps16 over every fp32 x in [lo, hi], the bound the kernels assume:
-// kExpPs16RelError). Needs AVX-512 (the only build that uses exp_ps16).
+// (largest relative error of the vector exp (exp_ps16, or exp_ps8 in AVX2 builds: the same
+// operations) over every fp32 x in [lo, hi], the bound the kernels assume: kExpPs16RelError).
+// Needs AVX-512 or AVX2 (the builds that use them).
 std::tuple<double, double> exp_ps16_error(double lo, double hi) {
-  TORCH_CHECK(kHaveAvx512, "exp_ps16_error: built without AVX-512");
+  TORCH_CHECK(kHaveAvx512 || kHaveAvx2, "exp_ps16_error: built without AVX-512 or AVX2");
   TORCH_CHECK(lo <= hi, "exp_ps16_error: need lo <= hi");
   const float a = static_cast<float>(lo), b = static_cast<float>(hi);
   double worst = 0.0;

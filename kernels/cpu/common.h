@@ -7,8 +7,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// Machines without AVX-512 but with AVX2, FMA and F16C (AMD Zen 1-3, Intel Haswell to Alder
+// Lake) get 8-lane versions of the step's hot loops; AVX-512 builds keep the 16-lane ones.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOUVER_AVX2 1
 #endif
 
 #include <algorithm>
@@ -40,7 +46,32 @@ inline __m512 load16_ps(const c10::BFloat16* src) {  // bf16 is the top half of 
 }
 #endif
 
-// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512 where it applies).
+#if defined(LOUVER_AVX2)
+// 8 values of the KV dtype as fp32 lanes.
+template <typename T>
+inline __m256 load8_ps(const T* src) {
+  alignas(32) float tmp[8];
+  for (int i = 0; i < 8; ++i) tmp[i] = static_cast<float>(src[i]);
+  return _mm256_load_ps(tmp);
+}
+inline __m256 load8_ps(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8_ps(const c10::Half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+inline __m256 load8_ps(const c10::BFloat16* src) {  // bf16 is the top half of fp32
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// Sum of the 8 lanes of v.
+inline float hsum8_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// Convert n values of the KV dtype to fp32 (16 at a time with AVX-512, 8 with F16C).
 template <typename T>
 inline void load_f32(const T* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -52,6 +83,8 @@ inline void load_f32(const c10::Half* src, int64_t n, float* dst) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16_ps(src + i));
+#elif defined(LOUVER_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_ps(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -80,6 +113,17 @@ inline float dot(const float* a, const float* b, int n) {
     }
     if (i < n) even = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), even);
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+  }
+#elif defined(LOUVER_AVX2)
+  if (n % 8 == 0) {  // the same with 8 lanes
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
+      odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+    }
+    if (i < n) even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
+    return hsum8_ps(_mm256_add_ps(even, odd));
   }
 #endif
   float acc = 0.f;
@@ -212,10 +256,22 @@ inline __m512 token_bounds16(float off, float step, __m512i dots) {
 }
 #endif
 
+#if defined(LOUVER_AVX2)
+// token_bound of 8 tokens, with the same fp32 operations as token_bounds16.
+inline __m256 token_bounds8(float off, float step, __m256i dots) {
+  return _mm256_add_ps(_mm256_set1_ps(off), _mm256_mul_ps(_mm256_set1_ps(step), _mm256_cvtepi32_ps(dots)));
+}
+#endif
+
 #if defined(__AVX512F__)
 constexpr bool kHaveAvx512 = true;
 #else
 constexpr bool kHaveAvx512 = false;
+#endif
+#if defined(LOUVER_AVX2)
+constexpr bool kHaveAvx2 = true;
+#else
+constexpr bool kHaveAvx2 = false;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -545,6 +601,44 @@ inline void dot_block16(const Codes& codes, int64_t first, int64_t k, int64_t bi
 #endif
 
 
+#if defined(LOUVER_AVX2)
+// The integer dots of the 16 tokens of a block16 block of 4-bit codes (``cols``: [bytes/4, 16, 4]
+// for one KV head) with G heads' int8 weights in nibble_order block 8, as dot_block16_cols<4>
+// computes them with VNNI: out[g·16 + t] for token t. Per dword of channels, _mm256_maddubs_epi16
+// multiplies 8 tokens' codes by the broadcast weight quad and adds adjacent pairs into int16;
+// |code·w| <= 15·127, so 8 dwords' pair sums stay below 2^15 (no saturation) before they widen to
+// int32 (one chain for the low nibbles, one for the high ones).
+inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int8_t* w, int64_t G, int32_t* out) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
+    __m256i acc[8];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_si256();
+    for (int64_t blk = 0; blk < D / 64; ++blk) {
+      __m256i low[8], high[8];
+      for (int i = 0; i < 8; ++i) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols + (blk * 8 + i) * 64 + 32 * h));
+        low[i] = _mm256_and_si256(c, nib);
+        high[i] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* wb = w + g * D + blk * 64;
+        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i) {
+          int32_t q0, q1;
+          std::memcpy(&q0, wb + 8 * i, sizeof(q0));
+          std::memcpy(&q1, wb + 8 * i + 4, sizeof(q1));
+          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(low[i], _mm256_set1_epi32(q0)));
+          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], _mm256_set1_epi32(q1)));
+        }
+        acc[g] = _mm256_add_epi32(acc[g], _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones)));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 16 + 8 * h), acc[g]);
+  }
+}
+
+#endif
+
 // Bound on exp_ps16's relative error wherever e^x is a normal fp32 (checked by a test).
 constexpr double kExpPs16RelError = 0x1p-22;
 
@@ -653,6 +747,79 @@ inline double mass_lower(const float* src, int64_t stride, int64_t n, float sigm
   return sum * kMassDown;
 }
 
+#endif
+
+#if defined(LOUVER_AVX2)
+// All-ones in lane i where bit i of ``bits`` is set (bits above 7 ignored).
+inline __m256 lane_mask8(uint32_t bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int32_t>(bits)), sel), sel));
+}
+
+// Lane t of the result is the sum of the 8 lanes of v[t].
+inline __m256 lane_sums8_ps(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// exp_ps16 for 8 floats, with the same operations and results: scalef's single rounding of p·2^k
+// is reproduced by two power-of-two factors 2^⌊k/2⌋ and 2^(k − ⌊k/2⌋), both normal for k in
+// [−150, 127], of which the first product is exact.
+inline __m256 exp_ps8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-104.f), x));  // NaN propagates
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  constexpr float inv_fact[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+  __m256 p = _mm256_set1_ps(inv_fact[7]);
+  for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inv_fact[i]));
+  const __m256i ki = _mm256_cvtps_epi32(k);  // NaN lanes: any factor, p is NaN
+  const __m256i k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+// exp_sum_low16 / exp_sum_high16 for 8 lanes (``valid``: the lanes counted, bit i for lane i).
+inline float exp_sum_low8(__m256 x, uint32_t valid) {
+  const uint32_t counted = valid & static_cast<uint32_t>(
+                                       _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ)));
+  alignas(32) float e[8];
+  _mm256_store_ps(e, exp_ps8(_mm256_min_ps(x, _mm256_set1_ps(80.f))));
+  float sum = 0.f;
+  for (uint32_t m = counted; m; m &= m - 1) sum += e[__builtin_ctz(m)];
+  return sum;
+}
+
+inline float exp_sum_high8(__m256 x, uint32_t valid) {
+  const __m256 huge = _mm256_cmp_ps(x, _mm256_set1_ps(88.f), _CMP_NLE_UQ);
+  alignas(32) float e[8];
+  _mm256_store_ps(e, _mm256_blendv_ps(exp_ps8(_mm256_max_ps(x, _mm256_set1_ps(-87.f))), _mm256_set1_ps(INFINITY), huge));
+  float sum = 0.f;
+  for (uint32_t m = valid; m; m &= m - 1) sum += e[__builtin_ctz(m)];
+  return sum;
+}
+
+// n values src[i·stride] into 8-lane vectors (lanes past n are 0, masked by the caller).
+inline __m256 gather8(const float* src, int64_t stride, int64_t n) {
+  alignas(32) float tmp[8] = {};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) tmp[i] = src[i * stride];
+  return _mm256_load_ps(tmp);
+}
+
+// mass_lower (below) for 8-lane builds.
+inline double mass_lower(const float* src, int64_t stride, int64_t n, float sigma, float r) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t nb = std::min<int64_t>(8, n - i);
+    const __m256 x = _mm256_mul_ps(_mm256_set1_ps(sigma), _mm256_sub_ps(gather8(src + i * stride, stride, nb), _mm256_set1_ps(r)));
+    sum += double(exp_sum_low8(x, (1u << nb) - 1));
+  }
+  return sum * kMassDown;
+}
 #endif
 
 inline void prefetch_bytes(const void* start, int64_t n) {

@@ -155,8 +155,8 @@ inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vec
     double zd = 0.0, zs = 0.0;
     const double r = top;
     const int64_t d0 = e.d_bounds[b], nd = e.d_bounds[b + 1] - d0;
-    if (kHaveAvx512 && std::isfinite(top)) {  // lower bounds from fp32 exps (kMassDown)
-#if defined(__AVX512F__)
+    if ((kHaveAvx512 || kHaveAvx2) && std::isfinite(top)) {  // lower bounds from fp32 exps (kMassDown)
+#if defined(__AVX512F__) || defined(LOUVER_AVX2)
       zd = mass_lower(e.sd + d0 * H + h, H, nd, static_cast<float>(e.sigma), top);
       zs = mass_lower(e.sp + b * M * H + h, H, n_sample, static_cast<float>(e.sigma), top);
 #endif
@@ -211,6 +211,15 @@ inline void dense_weights(const MergeArgs& g, int64_t d0, int64_t nd, int64_t k,
       sum = _mm512_add_ps(sum, e);
     }
     den[j] = _mm512_reduce_add_ps(sum);
+#elif defined(LOUVER_AVX2)
+    __m256 sum = _mm256_setzero_ps();
+    for (; i + 8 <= nd; i += 8) {
+      const __m256 x = _mm256_fmsub_ps(_mm256_set1_ps(g.sig), gather8(src + i * H, H, 8), _mm256_set1_ps(top[j]));
+      const __m256 e = exp_ps8(x);
+      _mm256_storeu_ps(w + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    den[j] = hsum8_ps(sum);
 #endif
     for (; i < nd; ++i) {
       w[i] = std::exp(g.sig * src[i * H] - top[j]);
