@@ -54,7 +54,7 @@ struct ChunkRunner {
   int64_t cap;  // batch capacity; declared before the buffers sized by it
   std::vector<float> buf, acc, w, off, pb, step, drop_max, drop_lanes, book, rows16, score, weight;
   std::vector<int8_t> wq, wsplit, wsplit8;  // int8 weights; nibble_order block 64 and block 8
-  std::vector<int32_t> idot;
+  std::vector<int32_t> idot, quads8;  // quads8: the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
   std::vector<int64_t> drop_count, cand_slot, value_rows;
@@ -72,7 +72,7 @@ struct ChunkRunner {
         off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
         drop_lanes(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
         weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
-        wsplit8(args.groups * args.dim), idot(args.groups), page_codes(args.page_size * args.dim),
+        wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
         value_rows(cap), keep_page(args.groups), st(args.groups) {}
 
@@ -125,7 +125,10 @@ struct ChunkRunner {
         if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
     } else if (avx2_scan()) {
-      for (int64_t g = 0; g < G; ++g) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
+      for (int64_t g = 0; g < G; ++g) {
+        nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
+        broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
+      }
     }
     return true;
   }
@@ -162,7 +165,7 @@ struct ChunkRunner {
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
-    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, wsplit8.data(), G, dots);
+    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), G, dots);
     uint32_t cand = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
@@ -451,6 +454,13 @@ struct ChunkRunner {
     const int64_t G = a.groups, DV = a.dim_v, P16 = cap;
 #if defined(__AVX512F__)
     if (DV % 64 == 0) {
+      const auto row = [&](int64_t i) { return vc + (cand_slot[value_rows[i]] * a.h_kv + k) * DV; };
+      const auto wt = [&](int64_t g, int64_t i) { return weight[g * P16 + value_rows[i]]; };
+      accumulate_rows<KV>(row, wt, nv, G, DV, acc.data(), true, kValueAhead);
+      return;
+    }
+#elif defined(LOUVER_AVX2)
+    if (DV % 32 == 0) {
       const auto row = [&](int64_t i) { return vc + (cand_slot[value_rows[i]] * a.h_kv + k) * DV; };
       const auto wt = [&](int64_t g, int64_t i) { return weight[g * P16 + value_rows[i]]; };
       accumulate_rows<KV>(row, wt, nv, G, DV, acc.data(), true, kValueAhead);

@@ -48,12 +48,13 @@ struct PageScan {
   std::vector<uint8_t> page_codes;
   std::vector<int64_t> page_bin;
   std::vector<int32_t> idot;  // per-token integer dots; members: scan runs per page and KV head
+  std::vector<int32_t> quads8;  // the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<double> sums;   // per head, the page's counted token masses
 
   PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, double sigma_)
       : G(G_), D(D_), bits(bits_), P(P_), sigma(sigma_), book(3 * D_), w(G_ * D_),
         off(G_), pb(G_), step(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
-        page_codes(P_ * D_), page_bin(G_), idot(G_), sums(G_) {}
+        page_codes(P_ * D_), page_bin(G_), idot(G_), quads8(kHaveAvx2 ? 2 * G_ * D_ : 0), sums(G_) {}
 
   bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
 
@@ -68,6 +69,7 @@ struct PageScan {
       off[g] += quantize_weights(w.data() + g * D, D, bits, wq.data() + g * D, &step[g]);
       if (vnni()) nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
       if ((vnni() || kHaveAvx2) && bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
+      if (kHaveAvx2 && bits == 4 && D % 64 == 0) broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
     }
   }
 
@@ -160,7 +162,7 @@ struct PageScan {
       alignas(32) int32_t dots[8 * 16];
       alignas(32) float ub[8];
       for (; p + 16 <= P; p += 16) {
-        dot_block16_avx2_4bit(codes.block(first + p, k), D, wsplit8.data(), G, dots);
+        dot_block16_avx2_4bit(codes.block(first + p, k), D, quads8.data(), G, dots);
         for (int64_t g = 0; g < G; ++g)
           for (int h = 0; h < 2; ++h) {
             const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h));

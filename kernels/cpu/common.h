@@ -232,6 +232,24 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   }
   err = _mm512_reduce_add_ps(verr);
   mag = _mm512_reduce_add_ps(vmag);
+#elif defined(LOUVER_AVX2)
+  // the same, 8 channels at a time
+  const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(inv), lim = _mm256_set1_ps(127.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 verr = _mm256_setzero_ps(), vmag = _mm256_setzero_ps();
+  for (; d + 8 <= D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(w + d);
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(x, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(lim, r));
+    const __m256i i32 = _mm256_cvtps_epi32(r);
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(wq + d), _mm_packs_epi16(i16, i16));
+    const __m256 sr = _mm256_mul_ps(vs, r);
+    verr = _mm256_add_ps(verr, _mm256_max_ps(_mm256_sub_ps(x, sr), _mm256_setzero_ps()));
+    vmag = _mm256_add_ps(vmag, _mm256_andnot_ps(sign, sr));
+  }
+  err = hsum8_ps(verr);
+  mag = hsum8_ps(vmag);
 #endif
   for (; d < D; ++d) {
     const float r = std::max(-127.f, std::min(127.f, std::nearbyint(w[d] * inv)));
@@ -602,13 +620,25 @@ inline void dot_block16(const Codes& codes, int64_t first, int64_t k, int64_t bi
 
 
 #if defined(LOUVER_AVX2)
+// The operand of dot_block16_avx2_4bit from one head's int8 weights w [D] in nibble_order block 8:
+// wb [D/64, 16, 8] int32, row 2i + j of a 64-channel block = weight quad 2i + j (4 bytes) in all
+// 8 lanes (built once per page, so the scan reads its weight operands as stored).
+inline void broadcast_quads8(const int8_t* w, int64_t D, int32_t* wb) {
+  for (int64_t q = 0; q < D / 4; ++q) {
+    int32_t quad;
+    std::memcpy(&quad, w + 4 * q, sizeof(quad));
+    std::fill(wb + 8 * q, wb + 8 * q + 8, quad);
+  }
+}
+
 // The integer dots of the 16 tokens of a block16 block of 4-bit codes (``cols``: [bytes/4, 16, 4]
-// for one KV head) with G heads' int8 weights in nibble_order block 8, as dot_block16_cols<4>
-// computes them with VNNI: out[g·16 + t] for token t. Per dword of channels, _mm256_maddubs_epi16
+// for one KV head) with G heads' int8 weights in nibble_order block 8 (as broadcast_quads8 lays
+// them out, [G, D/64, 16, 8]), as dot_block16_cols<4> computes them with VNNI: out[g·16 + t] for
+// token t. Per dword of channels, _mm256_maddubs_epi16
 // multiplies 8 tokens' codes by the broadcast weight quad and adds adjacent pairs into int16;
 // |code·w| <= 15·127, so 8 dwords' pair sums stay below 2^15 (no saturation) before they widen to
 // int32 (one chain for the low nibbles, one for the high ones).
-inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int8_t* w, int64_t G, int32_t* out) {
+inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
     __m256i acc[8];
@@ -621,14 +651,11 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int8_t* 
         high[i] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const int8_t* wb = w + g * D + blk * 64;
+        const auto* quad = reinterpret_cast<const __m256i*>(wb) + (g * (D / 64) + blk) * 16;
         __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
         for (int i = 0; i < 8; ++i) {
-          int32_t q0, q1;
-          std::memcpy(&q0, wb + 8 * i, sizeof(q0));
-          std::memcpy(&q1, wb + 8 * i + 4, sizeof(q1));
-          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(low[i], _mm256_set1_epi32(q0)));
-          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], _mm256_set1_epi32(q1)));
+          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(low[i], _mm256_loadu_si256(quad + 2 * i)));
+          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], _mm256_loadu_si256(quad + 2 * i + 1)));
         }
         acc[g] = _mm256_add_epi32(acc[g], _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones)));
       }
@@ -875,6 +902,38 @@ inline void accumulate_rows(const Row& row, const Weight& weight, int64_t n, int
       }
       for (int64_t j = 0; j < ng; ++j)
         for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + j) * DV + d0 + 16 * c, r[j][c]);
+    }
+}
+#endif
+
+#if defined(LOUVER_AVX2)
+// accumulate_rows with 8 lanes (DV a multiple of 32): the sums of up to 3 heads × 32 channels stay
+// in 12 registers over all rows.
+template <typename KV, typename Row, typename Weight>
+inline void accumulate_rows(const Row& row, const Weight& weight, int64_t n, int64_t G, int64_t DV, float* acc,
+                            bool skip_zero, int64_t ahead) {
+  const int64_t row_bytes = DV * static_cast<int64_t>(sizeof(KV));
+  for (int64_t i = 0; i < std::min(n, ahead); ++i) prefetch_bytes(row(i), row_bytes);
+  for (int64_t g0 = 0; g0 < G; g0 += 3)
+    for (int64_t d0 = 0; d0 < DV; d0 += 32) {
+      const int64_t ng = std::min<int64_t>(3, G - g0);
+      const bool first_pass = g0 == 0 && d0 == 0;
+      __m256 r[3][4];
+      for (int64_t j = 0; j < ng; ++j)
+        for (int c = 0; c < 4; ++c) r[j][c] = _mm256_loadu_ps(acc + (g0 + j) * DV + d0 + 8 * c);
+      for (int64_t i = 0; i < n; ++i) {
+        if (first_pass && i + ahead < n) prefetch_bytes(row(i + ahead), row_bytes);
+        const KV* v = row(i) + d0;
+        const __m256 x[4] = {load8_ps(v), load8_ps(v + 8), load8_ps(v + 16), load8_ps(v + 24)};
+        for (int64_t j = 0; j < ng; ++j) {
+          const float e = weight(g0 + j, i);
+          if (skip_zero && e == 0.f) continue;
+          const __m256 ev = _mm256_set1_ps(e);
+          for (int c = 0; c < 4; ++c) r[j][c] = _mm256_fmadd_ps(ev, x[c], r[j][c]);
+        }
+      }
+      for (int64_t j = 0; j < ng; ++j)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + (g0 + j) * DV + d0 + 8 * c, r[j][c]);
     }
 }
 #endif

@@ -243,6 +243,12 @@ inline void dense_values(const MergeArgs& g, const KV* vc, int64_t d0, int64_t n
                         kExactAhead);
     return;
   }
+#elif defined(LOUVER_AVX2)
+  if (DV % 32 == 0) {
+    accumulate_rows<KV>(row, [&](int64_t j, int64_t i) { return weight[j * nd + i]; }, nd, G, DV, num, false,
+                        kExactAhead);
+    return;
+  }
 #endif
   for (int64_t i = 0; i < std::min(nd, kExactAhead); ++i) prefetch_bytes(row(i), DV * static_cast<int64_t>(sizeof(KV)));
   for (int64_t i = 0; i < nd; ++i) {
