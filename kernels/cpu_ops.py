@@ -2,7 +2,8 @@
 
 The build happens on first use (about half a minute on two cores) and is cached under
 ``$LOUVER_KERNEL_CACHE`` (default ``~/.cache/louver_sgl/kernels``), keyed by the source hash and
-the CPU model because the code is compiled for the host's instruction set.
+the CPU model and its instruction-set flags because the code is compiled for the host's
+instruction set.
 """
 
 from __future__ import annotations
@@ -33,8 +34,21 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> str:
+    """The instruction-set flags of /proc/cpuinfo ("" where there are none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _build_dir() -> Path:
-    digest = hashlib.sha256(cpu_model_name().encode())
+    # the model name alone does not identify the instruction set: virtual machines report
+    # "AMD EPYC" for CPUs with and without AVX-512
+    digest = hashlib.sha256(cpu_model_name().encode() + _cpu_flags().encode())
     for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
