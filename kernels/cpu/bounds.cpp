@@ -124,6 +124,49 @@ struct PageScan {
   }
 #endif
 
+#if defined(LOUVER_AVX2)
+  // add_tokens16 for 8 tokens (AVX2 builds): bins from fp64 x as edge_bin, masses from exp_ps8
+  // (exp_ps16's results; x above 80: exp_up), scattered one counted lane at a time.
+  void add_tokens8(int64_t g, __m256 ub, double ref, const HistRows& row, double& sum) const {
+    const __m256 nan = _mm256_cmp_ps(ub, ub, _CMP_UNORD_Q);
+    const __m256 u = _mm256_blendv_ps(_mm256_min_ps(ub, _mm256_set1_ps(pb[g])), ub, nan);  // NaN if either is
+    const __m256d s = _mm256_set1_pd(sigma), r = _mm256_set1_pd(ref), low = _mm256_set1_pd(kEdgeLow);
+    alignas(32) double x[8], mass[8];
+    alignas(32) int32_t bin[8];
+    __m128i bins[2];
+    __m128 xs[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m128 uh = h ? _mm256_extractf128_ps(u, 1) : _mm256_castps256_ps128(u);
+      const __m256d xd = _mm256_mul_pd(s, _mm256_sub_pd(_mm256_cvtps_pd(uh), r));
+      _mm256_store_pd(x + 4 * h, xd);
+      const __m256d j = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(xd, low), _mm256_set1_pd(1.0 / kEdgeStep))),
+                                      _mm256_set1_pd(1.0));
+      const __m256d clamped = _mm256_min_pd(_mm256_max_pd(j, _mm256_setzero_pd()), _mm256_set1_pd(kEdgeCount));
+      const __m256d ord = _mm256_cmp_pd(xd, xd, _CMP_ORD_Q);
+      bins[h] = _mm256_cvtpd_epi32(_mm256_blendv_pd(_mm256_set1_pd(kEdgeCount), clamped, ord));
+      xs[h] = _mm256_cvtpd_ps(xd);
+    }
+    const __m256i b = _mm256_set_m128i(bins[1], bins[0]);
+    const __m256i page = _mm256_set1_epi32(static_cast<int32_t>(page_bin[g]));
+    const uint32_t below = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(page, b))));
+    if (!below) return;
+    const __m256 x32 = _mm256_set_m128(xs[1], xs[0]);
+    const __m256 e = exp_ps8(_mm256_max_ps(x32, _mm256_set1_ps(-87.f)));
+    _mm256_store_pd(mass, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    _mm256_store_pd(mass + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bin), b);
+    const uint32_t big = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x32, _mm256_set1_ps(80.f), _CMP_GT_OQ)));
+    for (uint32_t m = big & below; m; m &= m - 1) mass[__builtin_ctz(m)] = exp_up(x[__builtin_ctz(m)]);
+    double* tok = row.tok;  // a local: through ``row`` each add waited on the last store
+    double total = 0.0;
+    for (uint32_t m = below; m; m &= m - 1) {
+      tok[bin[__builtin_ctz(m)]] += mass[__builtin_ctz(m)];
+      total += mass[__builtin_ctz(m)];
+    }
+    sum += total;
+  }
+#endif
+
   // Token p of the page with bound ub for head g: counted at its bin when below the page's bin.
   void add_token(int64_t g, float ub, double ref, const HistRows& row, double& sum) const {
     const float u = (std::isnan(ub) || std::isnan(pb[g])) ? NAN : std::min(ub, pb[g]);
@@ -166,10 +209,11 @@ struct PageScan {
         for (int64_t g = 0; g < G; ++g)
           for (int h = 0; h < 2; ++h) {
             const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h));
-            _mm256_store_ps(ub, token_bounds8(off[g], step[g], d));
-            for (int t = 0; t < 8; ++t) {
-              add_token(g, ub[t], ref[g], rows[g], sums[g]);
-              if (tok_out) tok_out[(p + 8 * h + t) * tok_stride + g] = ub[t];
+            const __m256 bound = token_bounds8(off[g], step[g], d);
+            add_tokens8(g, bound, ref[g], rows[g], sums[g]);
+            if (tok_out) {
+              _mm256_store_ps(ub, bound);
+              for (int t = 0; t < 8; ++t) tok_out[(p + 8 * h + t) * tok_stride + g] = ub[t];
             }
           }
       }
