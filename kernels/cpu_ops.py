@@ -23,26 +23,25 @@ def _sources() -> list[Path]:
     return sorted(_SOURCE_DIR.glob("*.cpp"))
 
 
-def cpu_model_name() -> str:
-    """The CPU model string from /proc/cpuinfo (or the platform processor name)."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The value of the first ``name`` line of /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model_name() -> str:
+    """The CPU model string from /proc/cpuinfo (or the platform processor name)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_flags() -> str:
     """The instruction-set flags of /proc/cpuinfo ("" where there are none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_field("flags") or ""
 
 
 def _build_dir() -> Path:
