@@ -620,7 +620,6 @@ inline void dot_block16(const Codes& codes, int64_t first, int64_t k, int64_t bi
 #endif
 
 
-#if defined(LOUVER_AVX2)
 // The operand of dot_block16_avx2_4bit from one head's int8 weights w [D] in nibble_order block 8:
 // wb [D/64, 16, 8] int32, row 2i + j of a 64-channel block = weight quad 2i + j (4 bytes) in all
 // 8 lanes (built once per page, so the scan reads its weight operands as stored).
@@ -632,6 +631,7 @@ inline void broadcast_quads8(const int8_t* w, int64_t D, int32_t* wb) {
   }
 }
 
+#if defined(LOUVER_AVX2)
 // The integer dots of the 16 tokens of a block16 block of 4-bit codes (``cols``: [bytes/4, 16, 4]
 // for one KV head) with G heads' int8 weights in nibble_order block 8 (as broadcast_quads8 lays
 // them out, [G, D/64, 16, 8]), as dot_block16_cols<4> computes them with VNNI: out[g·16 + t] for

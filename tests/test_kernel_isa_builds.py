@@ -1,0 +1,50 @@
+"""The compiled CPU kernels compile at every instruction-set level they have code for.
+
+The kernels are built with ``-march=native``, so a test run only compiles the paths of its own
+machine; a change to code behind ``__AVX512F__`` is never compiled on an AVX2 machine, nor the
+AVX2 paths on an AVX-512 one. Each level is checked here with ``g++ -fsyntax-only`` (templates
+included), and that the expected paths are the ones selected.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+SOURCES = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+# -march level -> what common.h must select there
+LEVELS = {
+    "x86-64": "!kHaveAvx512 && !kHaveAvx2 && !kHaveVnni",  # the plain C++ fallbacks
+    "haswell": "kHaveAvx2 && !kHaveAvx512",  # AVX2 + FMA + F16C: the 8-lane paths
+    "icelake-server": "kHaveAvx512 && kHaveVnni && !kHaveAvx2",  # the 16-lane and VNNI paths
+}
+# step.cpp includes attend.h, exact_merge.h and common.h; bounds.cpp and checks.cpp the rest
+UNITS = ("step.cpp", "bounds.cpp", "checks.cpp")
+
+
+def _include_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    return [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+
+
+@pytest.mark.parametrize("march", list(LEVELS))
+def test_kernels_compile_at_every_isa_level(march, tmp_path):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ (the kernels cannot be built here either)")
+    jobs = {}
+    for unit in UNITS:  # the units compile concurrently (about 20 s each)
+        source = tmp_path / f"check_{unit}"
+        source.write_text(f'#include "{SOURCES / unit}"\n'
+                          f'static_assert({LEVELS[march]}, "wrong code paths selected for -march={march}");\n')
+        cmd = [compiler, "-std=c++20", "-fsyntax-only", f"-march={march}", "-fopenmp", "-DAT_PARALLEL_OPENMP=1",
+               *_include_flags(), str(source)]
+        jobs[unit] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for unit, job in jobs.items():
+        _, err = job.communicate()
+        assert job.returncode == 0, f"{unit} does not compile with -march={march}:\n{err[-4000:]}"
