@@ -43,7 +43,7 @@ def test_access_pattern_counts_and_order():
     store = PageIndexStore(cfg, n_pages, h_kv, d, k.dtype)
     plan = plan_decode(table, lens, cfg)
     store.build_pages(k, plan.page_ids)
-    _, stats = louver_decode(q, k, v, table, lens, store, 0.125, backend="torch")
+    _, stats = louver_decode(q, k, v, table, lens, store, 0.125, impl="torch")
     pages, k_rows, v_rows = access_pattern(stats, store, plan)
     assert len(pages) == int(stats.pages_read.sum()) and len(k_rows) > 0
     assert len(k_rows) == int(stats.union_candidates.sum()) and len(v_rows) == int(stats.values_read.sum())

@@ -10,12 +10,13 @@ import torch
 from conftest import make_paged
 from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
+from louver_sgl.decode.contract import EDGES, VALUE_GATE, StepStats
 from louver_sgl.decode.fused import (
-    certified_threshold_reference, chunk_totals_reference, compiled_exact_part, int8_token_bounds_reference,
-    merge_reference, step_stats_reference,
+    chunk_totals_reference, compiled_exact_part, int8_token_bounds_reference, merge_reference, step_stats_reference,
 )
 from louver_sgl.decode.plan import plan_decode
-from louver_sgl.decode.step import StepStats, exact_part
+from louver_sgl.decode.step import exact_part
+from louver_sgl.decode.threshold import certified_choice as certified_threshold_reference
 
 ops_module = pytest.importorskip("louver_kernels.cpu_ops")
 if not ops_module.cpu_ops_available():
@@ -83,7 +84,7 @@ def test_chunk_totals_match_torch():
     per_head = torch.full((batch, h_kv * groups, 2), -1, dtype=torch.long)
     per_req = torch.full((batch, 3), -1, dtype=torch.long)
     masses = torch.full((batch, h_kv * groups, 3), -1.0, dtype=torch.float64)
-    OPS.chunk_totals(counts, mass, chunk_req, per_head, per_req, masses)
+    OPS.chunk_totals(counts=counts, mass=mass, chunk_req=chunk_req, per_head=per_head, per_req=per_req, masses=masses)
     want = chunk_totals_reference(counts, mass, chunk_req, batch)
     assert torch.equal(per_head, want[0]) and torch.equal(per_req, want[1])
     torch.testing.assert_close(masses, want[2], atol=1e-12, rtol=1e-12)
@@ -103,7 +104,8 @@ def test_step_stats_match_torch(own_dropped):
     masses = torch.rand(batch, heads, 3, generator=gen, dtype=torch.float64)
     z[3, 1, 0] = float("nan")  # NaN masses stay NaN in the bound, as torch.maximum does
     dropped = torch.rand(batch, heads, generator=gen, dtype=torch.float64) if own_dropped else torch.empty(0, dtype=torch.float64)
-    packed, got_any = OPS.step_stats(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
+    packed, got_any = OPS.step_stats(t=t, z=z, per_head=per_head, per_req=per_req, masses=masses, index_dropped=dropped,
+                                     num_indexed=num_indexed, fallback_fraction=0.25, h_kv=h_kv)
     want, want_any = step_stats_reference(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
     assert got_any is want_any is True
     got = _unpacked(packed, num_indexed)
@@ -159,16 +161,19 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
         return _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
 
     a, b = scratch(), scratch()
-    OPS.fused_step(q.float().contiguous(), k, v, *index, plan.dense_slots, plan.dense_req, plan.sample_slots,
-                   plan.sample_req, plan.page_ids, *chunks, 0.125, 0.1, 0.0, True, 4, 16, *a.exact, a.t, a.gate,
-                   *a.attend, a.result, *a.totals)
+    plan_tensors = dict(dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
+                        sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunks[0],
+                        chunk_begin=chunks[1], chunk_end=chunks[2])
+    policy = dict(sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4, page_size=16)
+    index = dict(zip(("lo", "scale", "radius", "codes"), index))
+    fused = {k: v for k, v in a.named().items() if k not in ("z_lb", "hist", "habs", "certificate")}
+    OPS.fused_step(q=q.float().contiguous(), k_cache=k, v_cache=v, **index, **plan_tensors, **policy, **fused)
     want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
                                           plan.num_indexed, 0.02, 2)
-    step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                              *chunks, plan.num_indexed, plan.page_req],
-                             [torch.empty(len(LENS), 6, 64), *b.exact, b.t, b.gate, *b.attend, b.result, *b.totals,
-                              b.z_lb, b.hist, b.habs, b.certificate])
-    layer = OPS.LayerStep(k, v, *index, 0.125, 0.1, 0.0, True, 4, 16, 0.02, -1.0, 0.0)
+    step_plan = OPS.StepPlan(**plan_tensors, num_indexed=plan.num_indexed, page_req=plan.page_req,
+                             q32=torch.empty(len(LENS), 6, 64), **b.named())
+    layer = OPS.LayerStep(k_cache=k, v_cache=v, **index, **policy, fallback_fraction=0.02, eps_budget=-1.0,
+                          rounding=0.0, **EDGES.kernel_args())
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -184,21 +189,38 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
     q, k, v, plan, cfg = _batch(torch.float32)
     chunks = page_chunks(plan, 3)
     part = _Outputs(len(LENS), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
-    step_plan = OPS.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                              *chunks, plan.num_indexed, plan.page_req],
-                             [torch.empty(len(LENS), 6, 64), *part.exact, part.t, part.gate, *part.attend,
-                              part.result, *part.totals, part.z_lb, part.hist, part.habs, part.certificate])
+    step_plan = OPS.StepPlan(dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
+                             sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunks[0],
+                             chunk_begin=chunks[1], chunk_end=chunks[2], num_indexed=plan.num_indexed,
+                             page_req=plan.page_req, q32=torch.empty(len(LENS), 6, 64), **part.named())
     from louver_sgl import PageIndexStore
 
     store = PageIndexStore(LouverConfig(page_size=16, grid_bits=4), len(k) // 16, 2, 64, torch.float32)
-    layer = OPS.LayerStep(k, v, *(store.tensors[n] for n in ("lo", "scale", "radius", "codes")), 0.125, 0.1, 0.0,
-                          True, 4, 16, 0.5, -1.0, 0.0)
+    layer = OPS.LayerStep(k_cache=k, v_cache=v, **{n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")},
+                          sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4,
+                          page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, **EDGES.kernel_args())
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):
         layer.run(q.long(), step_plan, None)
     with pytest.raises(ValueError, match="out must be"):
         layer.run(q, step_plan, torch.empty(len(LENS), 6, 32))
+
+
+def test_ops_take_their_arguments_by_name_and_refuse_unknown_or_missing_ones():
+    """Every op is called by keyword: a misspelt name, a missing one and a wrong type fail naming
+    the argument (a positional list would shift silently)."""
+    counts, mass = torch.zeros(1, 1, 5, dtype=torch.long), torch.zeros(1, 1, 1, 3, dtype=torch.float64)
+    args = dict(counts=counts, mass=mass, chunk_req=torch.zeros(1, dtype=torch.long),
+                per_head=torch.empty(1, 1, 2, dtype=torch.long), per_req=torch.empty(1, 3, dtype=torch.long),
+                masses=torch.empty(1, 1, 3, dtype=torch.float64))
+    OPS.chunk_totals(**args)
+    with pytest.raises(ValueError, match="unknown argument 'mases'"):
+        OPS.chunk_totals(**args, mases=mass)
+    with pytest.raises(ValueError, match="missing argument 'masses'"):
+        OPS.chunk_totals(**{k: v for k, v in args.items() if k != "masses"})
+    with pytest.raises(ValueError, match="argument 'mass' must be a tensor"):
+        OPS.chunk_totals(**{**args, "mass": 1.0})
 
 
 def test_fp32_exp_error_bound_holds_for_every_input():
@@ -231,7 +253,8 @@ def test_merge_matches_torch(dtype):
     o[1, :2] = 0.0
     want = merge_reference(ex, m.view(n, 3, 2), l.view(n, 3, 2), o.view(n, 3, 2, 64), chunk_req, v, plan, sigma, batch)
     got = torch.empty(batch, heads, 64)
-    OPS.merge_chunks(ex.s_dense, plan.dense_slots, plan.dense_req, v, m, l, o, chunk_req, sigma, got)
+    OPS.merge_chunks(s_dense=ex.s_dense, dense_slots=plan.dense_slots, dense_req=plan.dense_req, v_cache=v, m=m, l=l,
+                     o=o, chunk_req=chunk_req, sigma=sigma, out=got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -243,9 +266,11 @@ def _run_certified(q, plan, store, ref, z_lb, sigma, eps):
                cert=torch.empty(batch, heads, dtype=torch.float64), tok=torch.empty(n, size, heads),
                pb=torch.empty(n, heads))
     meta = store.tensors
-    OPS.certified_threshold(q, plan.page_ids, plan.page_req, meta["lo"], meta["scale"], meta["radius"],
-                            meta["codes"], ref, z_lb, sigma, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING,
-                            store.config.grid_bits, size, *out.values())
+    OPS.certified_threshold(q=q, page_ids=plan.page_ids, page_req=plan.page_req, lo=meta["lo"], scale=meta["scale"],
+                            radius=meta["radius"], codes=meta["codes"], ref=ref, z_lb=z_lb, sigma=sigma,
+                            eps_budget=eps * th.BUDGET_SAFETY, rounding=th.HIST_ROUNDING,
+                            bits=store.config.grid_bits, page_size=size, **EDGES.kernel_args(), hist=out["hist"],
+                            habs=out["habs"], t=out["t"], certificate=out["cert"], tok=out["tok"], pb=out["pb"])
     return out
 
 
@@ -309,6 +334,32 @@ def test_certified_threshold_matches_reference(bits, page_size, dim, eps):
     assert bool(torch.isfinite(out["t"]).any()) and bool((edge < th.EDGE_COUNT - 1).any())  # a real choice
 
 
+def test_certified_threshold_takes_its_edges_from_the_caller():
+    """The edges are the caller's data (contract.ThresholdEdges), not constants of the kernel: with
+    coarser levels the op's histograms, T and certificate are the specification's with those."""
+    from louver_sgl.decode.contract import ThresholdEdges
+
+    edges = ThresholdEdges(low=-40.0, step=0.5, count=97, margin=1e-5)
+    cfg, k, q, plan, store, ex, sigma, _ = _certified_case(4, 16, 64, eps=1e-2)
+    n, heads, batch = len(plan.page_ids), q.shape[1], q.shape[0]
+    out = dict(hist=torch.empty(batch, heads, edges.hist_width, dtype=torch.float64),
+               habs=torch.empty(batch, heads, edges.hist_width, dtype=torch.float64), t=torch.empty(batch, heads),
+               certificate=torch.empty(batch, heads, dtype=torch.float64), tok=torch.empty(n, 16, heads),
+               pb=torch.empty(n, heads))
+    meta = store.tensors
+    OPS.certified_threshold(q=q, page_ids=plan.page_ids, page_req=plan.page_req, **{m: meta[m] for m in meta},
+                            ref=ex.ref, z_lb=ex.z_lb, sigma=sigma, eps_budget=1e-2 * th.BUDGET_SAFETY,
+                            rounding=th.HIST_ROUNDING, bits=4, page_size=16, **edges.kernel_args(), **out)
+    t_ref, cert_ref, hist_ref, habs_ref = certified_threshold_reference(
+        out["pb"], out["tok"], plan.page_req, ex.ref, ex.z_lb, sigma, 1e-2 * th.BUDGET_SAFETY, th.HIST_ROUNDING, edges)
+    torch.testing.assert_close(out["habs"], habs_ref, rtol=1e-4, atol=1e-12)
+    assert torch.equal(out["t"], t_ref) and bool(torch.isfinite(t_ref).any())
+    torch.testing.assert_close(out["certificate"], cert_ref, rtol=1e-4, atol=1e-12)
+    default = certified_threshold_reference(out["pb"], out["tok"], plan.page_req, ex.ref, ex.z_lb, sigma,
+                                            1e-2 * th.BUDGET_SAFETY, th.HIST_ROUNDING)[0]
+    assert not torch.equal(default, t_ref)  # the levels did change the choice
+
+
 def test_certified_threshold_handles_nan_and_huge_bounds():
     """A NaN in a query row makes its head's bounds NaN: none of its mass is counted (its keys are
     kept, never below T); bounds far above ref (x > 80, past exp_ps16's range) take the fp64 exp.
@@ -344,7 +395,7 @@ def test_compiled_step_is_the_same_in_both_code_layouts(bits, dim, policy):
     for layout in ("token", "block16"):
         store = PageIndexStore(cfg, len(k) // 32, 2, dim, k.dtype, code_layout=layout)
         store.build_pages(k, plan.page_ids)
-        runs.append(louver_decode(q, k, v, table, lens, store, 1 / math.sqrt(dim), backend="cpp"))
+        runs.append(louver_decode(q, k, v, table, lens, store, 1 / math.sqrt(dim), impl="cpu"))
     (out_a, st_a), (out_b, st_b) = runs
     assert torch.equal(out_a, out_b)
     for name in ("threshold", "candidates", "union_candidates", "pages_read", "mass_bound"):

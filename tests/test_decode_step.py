@@ -61,13 +61,13 @@ def test_dense_policy_reproduces_dense_attention(family, h_kv, groups):
     assert bool((stats.candidates == stats.num_indexed[:, None]).all())
 
 
-BACKENDS = [("grid", "torch"), ("grid", "cpp"), ("clustered", "torch")]
+BACKENDS = [("grid", "torch"), ("grid", "cpu"), ("clustered", "torch")]
 
 
-@pytest.mark.parametrize("family,backend", BACKENDS)
+@pytest.mark.parametrize("family,impl", BACKENDS)
 @pytest.mark.parametrize("policy", ["certified", "budget", "fixed", "dense"])
 @pytest.mark.parametrize("value_gate", [True, False])
-def test_fast_path_matches_reference(family, backend, policy, value_gate):
+def test_fast_path_matches_reference(family, impl, policy, value_gate):
     """The fast step (torch or compiled) equals the per-request reference: T, counts, output. (The
     compiled certified step chooses T from its own int8 bounds: its attended set is checked.)"""
     cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, policy=policy, eps=0.05,
@@ -75,9 +75,9 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=3)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 3})
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
-    if backend == "cpp" and policy == "certified":
+    if impl == "cpu" and policy == "certified":
         # T is counted from the int8 token bounds the kernel gates with (test_cpu_ops checks the
         # choice); here: the attended set is what those bounds keep at T, attended exactly
         attended = compiled_attended(q, k, table, lens, store, stats.threshold)
@@ -91,7 +91,7 @@ def test_fast_path_matches_reference(family, backend, policy, value_gate):
     assert bool((torch.isfinite(stats.threshold) == finite).all())
     torch.testing.assert_close(stats.threshold[finite], t_ref[finite], atol=1e-4, rtol=1e-5)
     ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
-    if backend == "cpp" and not gates_values(cfg):
+    if impl == "cpu" and not gates_values(cfg):
         # int8 token bounds are looser: a superset of the reference's candidates is attended,
         # and every extra key scores below T (its weight is within the certified bound)
         assert bool((stats.candidates >= ref_count).all())
@@ -114,7 +114,7 @@ def test_compiled_kernel_layouts_match_reference(page_size, dim, groups, bits, p
                        sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, lens=[300, 700, 129], dim=dim, groups=groups, seed=3)
     sigma = 1 / math.sqrt(dim)
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp", chunk_pages=2)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl="cpu", launch={"chunk_pages": 2})
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
     torch.testing.assert_close(stats.threshold, torch.stack([i["threshold"] for i in info]), atol=1e-4, rtol=1e-5)
     ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
@@ -130,7 +130,7 @@ def test_compiled_kernel_scores_candidates_in_batches_across_pages(policy, budge
     cfg = LouverConfig(page_size=64, policy=policy, budget=budget, sample_size=64, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, lens=[2000, 1100], seed=11)
     sigma = 1 / math.sqrt(64)
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp", chunk_pages=16)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl="cpu", launch={"chunk_pages": 16})
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
     torch.testing.assert_close(stats.threshold, torch.stack([i["threshold"] for i in info]), atol=1e-4, rtol=1e-5)
     ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
@@ -147,18 +147,18 @@ def test_output_equals_dense_restricted_to_candidates(family, policy):
                        fixed_threshold=3.0, sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, h_kv=2, groups=2)
     sigma = 1 / math.sqrt(64)
-    out, _ = louver_decode(q, k, v, table, lens, store, sigma, backend="torch")
+    out, _ = louver_decode(q, k, v, table, lens, store, sigma, impl="torch")
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     attended = [i["attended"] for i in info]
     want = _masked_dense(q, k, v, table, lens, sigma, 16, attended)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
-def _attended(q, k, v, table, lens, store, sigma, backend, stats):
+def _attended(q, k, v, table, lens, store, sigma, impl, stats):
     """The attended masks of a step without value gate: the reference's for the torch path, for
     the compiled one the keys its int8 token bounds keep at its own T (which its certificate,
     counted from the same bounds, covers); checked against the step's candidate counts."""
-    if backend != "cpp":
+    if impl != "cpu":
         return [i["attended"] for i in reference_decode(q, k, v, table, lens, store, sigma)[1]]
     masks = compiled_attended(q, k, table, lens, store, stats.threshold)
     counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
@@ -166,17 +166,17 @@ def _attended(q, k, v, table, lens, store, sigma, backend, stats):
     return masks
 
 
-@pytest.mark.parametrize("family,backend", BACKENDS)
+@pytest.mark.parametrize("family,impl", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_certified_bound_holds(family, backend, eps, dtype):
+def test_certified_bound_holds(family, impl, eps, dtype):
     """Measured dropped mass <= reported bound < eps; output error <= 2·eps·max‖v‖."""
     cfg = LouverConfig(page_size=16, family=family, n_subspaces=8, eps=eps, sample_size=32,
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=5)
     sigma = 3 / math.sqrt(64)  # sharper softmax: more pruning happens
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=5)
-    attended = _attended(q, k, v, table, lens, store, sigma, backend, stats)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 5})
+    attended = _attended(q, k, v, table, lens, store, sigma, impl, stats)
     dense = _dense_rows(q, k, v, table, lens, sigma, 16)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
@@ -191,10 +191,10 @@ def test_certified_bound_holds(family, backend, eps, dtype):
         assert bool((err <= 2 * eps * vmax + 1e-2 * (dtype == torch.float16) + 1e-5).all())
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("policy", ["budget", "fixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reported_bound_covers_dropped_mass_of_every_policy(backend, policy, dtype):
+def test_reported_bound_covers_dropped_mass_of_every_policy(impl, policy, dtype):
     """Budget and fixed steps attend no guaranteed share, but the mass they report as dropped
     (index-dropped keys, value-gated candidates, over the lower bound of Z) still bounds the
     softmax mass of every key they did not attend, measured in fp64."""
@@ -202,7 +202,7 @@ def test_reported_bound_covers_dropped_mass_of_every_policy(backend, policy, dty
                        value_gate=True, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=7)
     sigma = 3 / math.sqrt(64)
-    _, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend, chunk_pages=4)
+    _, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 4})
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     pruned = 0
     for b, n in enumerate(lens.tolist()):
@@ -215,8 +215,8 @@ def test_reported_bound_covers_dropped_mass_of_every_policy(backend, policy, dty
     assert pruned > 0  # the check is not vacuous
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_certified_prunes_peaked_attention(backend):
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_certified_prunes_peaked_attention(impl):
     """On keys with a few dominant matches, certified eps keeps a small fraction."""
     gen = torch.Generator().manual_seed(11)
     cfg = LouverConfig(page_size=16, eps=1e-3, sample_size=64, dense_fallback_fraction=1.0)
@@ -228,20 +228,20 @@ def test_certified_prunes_peaked_attention(backend):
     k[hot, 0], k[recent, 0] = q[0, 0] * 0.5, q[0, 0] * 0.5
     store = PageIndexStore(cfg, len(k) // 16, 1, 64, torch.float32)
     store.build_pages(k, torch.arange(store.num_pages))
-    _, stats = louver_decode(q, k, v, table, lens, store, 1.0, backend=backend)
+    _, stats = louver_decode(q, k, v, table, lens, store, 1.0, impl=impl)
     assert stats.candidates[0, 0] < 0.2 * stats.num_indexed[0]
     assert 0 < stats.mass_bound[0, 0] < 1e-3
     _, info = reference_decode(q, k, v, table, lens, store, 1.0)
     assert bool(info[0]["attended"][0, 40 * 16 + 3])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_dense_fallback_above_fraction(backend):
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_dense_fallback_above_fraction(impl):
     """A request whose candidates exceed the fraction runs dense and says so."""
     cfg = LouverConfig(page_size=16, policy="dense", dense_fallback_fraction=0.5)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 0.125
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, backend=backend)
+    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl)
     assert bool(stats.dense_fallback[stats.num_indexed > 0].all())
     torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
 
@@ -254,12 +254,12 @@ def test_compiled_fallback_replaces_only_the_rows_over_the_fraction(policy, dtyp
     cfg = LouverConfig(page_size=16, policy=policy, eps=1e-3, budget=0.2, sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=4)
     sigma = 0.125
-    sparse, free = louver_decode(q, k, v, table, lens, store, sigma, backend="cpp")
+    sparse, free = louver_decode(q, k, v, table, lens, store, sigma, impl="cpu")
     fraction = (free.union_candidates / (free.num_indexed * 2).clamp(min=1)).float()
     cut = float(fraction[free.num_indexed > 0].median())
     out = torch.full_like(sparse, float("nan"))
     _, stats = louver_decode(q, k, v, table, lens, store, sigma, config=cfg.with_(dense_fallback_fraction=cut),
-                             backend="cpp", out=out)
+                             impl="cpu", out=out)
     fell = stats.dense_fallback
     assert bool(fell.any()) and bool((~fell & (stats.num_indexed > 0)).any())
     dense = _dense_rows(q.float(), k, v, table, lens, sigma, 16).to(dtype)
@@ -281,49 +281,49 @@ def test_caller_owned_output_buffer(policy, dtype):
     assert torch.equal(out, want)
 
 
-def test_compiled_layer_steps_are_reused_only_for_the_same_layer_and_config():
-    """Later steps of a layer with a shared plan take louver_decode's fast path (the layer's
-    compiled step kept by the store): same output and statistics as the first step, the caller's
-    out buffer and q's dtype honoured; another config or KV cache gets its own compiled step."""
-    from louver_sgl.decode.plan import plan_decode
+def test_compiled_layer_steps_are_reused_only_for_the_same_layer():
+    """Later steps of a layer on one plan reuse the layer's compiled side (kept by the wrapper):
+    same output and statistics as the first step, the caller's out buffer and q's dtype honoured;
+    another layer's KV caches get their own compiled side."""
+    from louver_sgl.decode import LouverDecode, available_implementations
 
-    pytest.importorskip("louver_kernels.cpu_ops")
+    if "cpu" not in available_implementations("cpu"):
+        pytest.skip("compiled CPU kernels unavailable")
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32, grid_bits=4)
     q, k, v, table, lens, store = _setup(cfg)
-    plan = plan_decode(table, lens, cfg)
-    first, first_stats = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
-    if not store.compiled_steps:
-        pytest.skip("compiled CPU kernels unavailable")
-    (compiled,) = store.compiled_steps.values()
-    again, stats = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
-    assert store.compiled_steps == {next(iter(store.compiled_steps)): compiled}  # reused, not rebuilt
+    decode = LouverDecode(cfg, impl="cpu").plan(table, lens)
+    first, first_stats = decode.run(q, k, v, store, 0.125, stats=True)
+    (compiled,) = decode.impl.layers.values()
+    again, stats = decode.run(q, k, v, store, 0.125, stats=True)
+    assert list(decode.impl.layers.values()) == [compiled]  # reused, not rebuilt
     torch.testing.assert_close(again, first, atol=0, rtol=0)
     for name in ("threshold", "candidates", "mass_bound", "union_candidates", "values_read"):
         assert torch.equal(getattr(stats, name), getattr(first_stats, name)), name
     out = torch.full_like(q, float("nan"), dtype=torch.float16)
-    got, _ = louver_decode(q.half(), k, v, table, lens, store, 0.125, plan=plan, out=out)
+    got = decode.run(q.half(), k, v, store, 0.125, out=out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got.float(), first, atol=2e-3, rtol=2e-3)
-    fixed = LouverConfig(page_size=16, policy="fixed", fixed_threshold=1.0, sample_size=32, grid_bits=4)
-    want, _ = louver_decode(q, k, v, table, lens, store, 0.125, config=fixed, plan=plan, backend="torch")
-    got, _ = louver_decode(q, k, v, table, lens, store, 0.125, config=fixed, plan=plan)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     k2, v2 = k.clone(), v.clone()
     v2[:] = 0.0  # another layer's caches over the same index: output zero
-    got, _ = louver_decode(q, k2, v2, table, lens, store, 0.125, plan=plan)
-    assert float(got.abs().max()) == 0.0 and len(store.compiled_steps) == 3
+    got = decode.run(q, k2, v2, store, 0.125)
+    assert float(got.abs().max()) == 0.0 and len(decode.impl.layers) == 2
 
 
-def test_shared_plan_gives_the_same_step_and_a_wrong_plan_is_rejected():
-    """A plan built once (as the backend does per forward) gives the same output; a plan for
-    another page size or batch is refused."""
-    from louver_sgl.decode.plan import plan_decode
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_one_plan_serves_every_layer_and_a_wrong_batch_is_rejected(impl):
+    """A plan made once (as the backend does per forward) gives the one-call step's output; a
+    query batch that does not fit the plan is refused, and so is a run before any plan."""
+    from louver_sgl.decode import LouverDecode, available_implementations
 
+    if impl not in available_implementations("cpu"):
+        pytest.skip(f"{impl} unavailable")
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32)
     q, k, v, table, lens, store = _setup(cfg)
-    plan = plan_decode(table, lens, cfg)
-    want, _ = louver_decode(q, k, v, table, lens, store, 0.125)
-    got, _ = louver_decode(q, k, v, table, lens, store, 0.125, plan=plan)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    want, _ = louver_decode(q, k, v, table, lens, store, 0.125, impl=impl)
+    decode = LouverDecode(cfg, impl=impl)
+    with pytest.raises(RuntimeError, match="before plan"):
+        decode.run(q, k, v, store, 0.125)
+    decode.plan(table, lens)
+    torch.testing.assert_close(decode.run(q, k, v, store, 0.125), want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="plan is for"):
-        louver_decode(q[:2], k, v, table[:2], lens[:2], store, 0.125, plan=plan)
+        decode.run(q[:2], k, v, store, 0.125)

@@ -36,7 +36,7 @@ def test_matches_real_step_and_reference(options):
     cfg = LouverConfig(page_size=16, sample_size=32, **options)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
-    want, want_stats = louver_decode(q, k, v, table, lens, store, sigma, backend="torch")
+    want, want_stats = louver_decode(q, k, v, table, lens, store, sigma, impl="torch")
     out, stats, attended = louver_step_attended(q, k, v, table, lens, store, sigma)
     assert torch.equal(out, want)
     for field in ("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback"):

@@ -47,9 +47,9 @@ def test_range_search_exact_on_real_traces(trace, config):
                 assert_no_false_negatives(index.range_search(q, t), scores, t)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("eps", [1e-2, 1e-3])
-def test_certified_bound_on_real_traces(trace, backend, eps):
+def test_certified_bound_on_real_traces(trace, impl, eps):
     """Measured dropped mass <= certified bound < eps on real attention, every layer.
 
     The compiled path counts its certificate from its int8 token bounds: its dropped keys are those
@@ -60,9 +60,9 @@ def test_certified_bound_on_real_traces(trace, backend, eps):
         pb = paged_batch(trace, layer, 2, config.page_size)
         store = PageIndexStore(config, len(pb.k) // config.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
         store.build_pages(pb.k, torch.arange(store.num_pages))
-        out, stats = louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma, backend=backend)
+        out, stats = louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma, impl=impl)
         assert bool((stats.mass_bound < eps).all())
-        if backend == "cpp":  # the keys its int8 bounds keep at its own T, as the step counts them
+        if impl == "cpu":  # the keys its int8 bounds keep at its own T, as the step counts them
             attended = compiled_attended(pb.q, pb.k, pb.page_table, pb.seq_lens, store, stats.threshold)
             counts = torch.stack([m.sum(1) for m in attended]) - (pb.seq_lens - stats.num_indexed)[:, None]
             assert torch.equal(counts[~stats.dense_fallback], stats.candidates[~stats.dense_fallback])

@@ -23,8 +23,8 @@ def test_invalid_minimum_is_rejected():
         LouverConfig(min_sparse_tokens=-1)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_short_requests_attend_densely(backend):
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_short_requests_attend_densely(impl):
     """A request below the minimum reads no index and equals dense attention; a longer one in the
     same batch still goes through the index."""
     config = LouverConfig(min_sparse_tokens=600, eps=1e-2)
@@ -32,7 +32,7 @@ def test_short_requests_attend_densely(backend):
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))
     store = PageIndexStore(config, len(k) // config.page_size, 2, 32, k.dtype)
     store.build_pages(k, torch.arange(store.num_pages))
-    out, stats = louver_decode(q, k, v, table, lens, store, 32 ** -0.5, backend=backend)
+    out, stats = louver_decode(q, k, v, table, lens, store, 32 ** -0.5, impl=impl)
     assert int(stats.num_indexed[0]) == 0 and int(stats.num_indexed[1]) > 0
     pos = torch.arange(500)
     slots = table[0, pos // 64] * 64 + pos % 64

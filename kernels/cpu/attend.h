@@ -21,7 +21,9 @@ struct AttendArgs {
   const float* ref;        // [B, H_q] reference score of the mass accounting
   float sigma;
   int64_t h_q, h_kv, groups, dim, dim_v, bytes, page_size, bits, n_chunks;
-  // outputs per (chunk, KV head), see grid_sparse_attend
+  // outputs per (chunk, KV head): m, l [NC, H_kv, G] f32 (m in σ·score units), o [NC, H_kv, G, D_v]
+  // f32 (unnormalised), counts [NC, H_kv, 2G + 3] i64 (attended per head, pages skipped per head,
+  // union candidates, values read, pages read), mass [NC, H_kv, G, 3] f64 (see HeadState)
   float *m_out, *l_out, *o_out;
   int64_t* counts;
   double* mass;
@@ -607,7 +609,7 @@ void run_chunk(std::vector<ChunkRunner<KV>>& runners, const AttendArgs& a, int64
   for (auto& r : runners) r.flush();
 }
 
-// Arguments of the attend pass from its tensors (shapes as in grid_sparse_attend).
+// Arguments of the attend pass from its tensors (outputs as in AttendArgs).
 inline AttendArgs attend_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& codes, const torch::Tensor& page_ids, const torch::Tensor& chunk_req,
                               const torch::Tensor& chunk_begin, const torch::Tensor& chunk_end, const torch::Tensor& t,

@@ -10,17 +10,8 @@ using namespace louver_cpu;
 
 namespace {
 
-// Levels (louver_sgl/decode/threshold.py): edge j = kEdgeLow + kEdgeStep·j, j < kEdgeCount, in units
-// of σ·(T − ref). A unit's bin is the number of edges <= its x = σ·(bound − ref) (NaN: past the end).
-constexpr double kEdgeLow = -48.0, kEdgeStep = 0.25, kEdgeMargin = 1e-6;
-constexpr int64_t kEdgeCount = 257, kHistWidth = kEdgeCount + 2;
-
-int64_t edge_bin(double x) {
-  if (std::isnan(x)) return kEdgeCount;
-  if (x < kEdgeLow) return 0;
-  const double j = std::floor((x - kEdgeLow) / kEdgeStep);
-  return j >= kEdgeCount - 1 ? kEdgeCount : static_cast<int64_t>(j) + 1;
-}
+// Levels: the Edges of the call (named.h). A unit's bin is the number of edges <= its
+// x = σ·(bound − ref) (NaN: past the end).
 
 // Upper bound of e^x (x at most 700, as the specification clamps; at least −700: no underflow):
 // glibc's exp is within 1 ulp, so scaling by (1 + 2^-50) rounds up. (An fp32 exp of x rounded to
@@ -43,6 +34,7 @@ struct HistRows {
 struct PageScan {
   int64_t G, D, bits, P;
   double sigma;
+  Edges edges;
   std::vector<float> book, w, off, pb, step;
   std::vector<int8_t> wq, wsplit, wsplit8;
   std::vector<uint8_t> page_codes;
@@ -51,8 +43,8 @@ struct PageScan {
   std::vector<int32_t> quads8;  // the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<double> sums;   // per head, the page's counted token masses
 
-  PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, double sigma_)
-      : G(G_), D(D_), bits(bits_), P(P_), sigma(sigma_), book(3 * D_), w(G_ * D_),
+  PageScan(int64_t G_, int64_t D_, int64_t bits_, int64_t P_, double sigma_, const Edges& edges_)
+      : G(G_), D(D_), bits(bits_), P(P_), sigma(sigma_), edges(edges_), book(3 * D_), w(G_ * D_),
         off(G_), pb(G_), step(G_), wq(G_ * D_), wsplit(G_ * D_), wsplit8(G_ * D_),
         page_codes(P_ * D_), page_bin(G_), idot(G_), quads8(kHaveAvx2 ? 2 * G_ * D_ : 0), sums(G_) {}
 
@@ -77,18 +69,18 @@ struct PageScan {
   void add_pages(const float* ref, const HistRows* rows) {
     for (int64_t g = 0; g < G; ++g) {
       const double x = sigma * (double(pb[g]) - double(ref[g]));
-      page_bin[g] = edge_bin(x);
+      page_bin[g] = edges.bin(x);
       if (!std::isnan(x)) rows[g].page[page_bin[g]] += double(P) * exp_up(x);
     }
   }
 
 #if defined(__AVX512F__)
-  // add_token for 16 tokens: bins from fp64 x as edge_bin, masses from exp_ps16 (x above 80:
+  // add_token for 16 tokens: bins from fp64 x as Edges::bin, masses from exp_ps16 (x above 80:
   // exp_up; the merge scales every token mass by kMassUp), scattered one counted lane at a time.
   void add_tokens16(int64_t g, __m512 ub, double ref, const HistRows& row, double& sum) const {
     const __mmask16 nan = _mm512_cmp_ps_mask(ub, ub, _CMP_UNORD_Q);
     const __m512 u = _mm512_mask_mov_ps(_mm512_min_ps(ub, _mm512_set1_ps(pb[g])), nan, ub);  // NaN if either is
-    const __m512d s = _mm512_set1_pd(sigma), r = _mm512_set1_pd(ref), low = _mm512_set1_pd(kEdgeLow);
+    const __m512d s = _mm512_set1_pd(sigma), r = _mm512_set1_pd(ref), low = _mm512_set1_pd(edges.low);
     alignas(64) double x[16], mass[16];
     alignas(64) int32_t bin[16];
     __m256i bins[2];
@@ -98,12 +90,12 @@ struct PageScan {
       const __m512d xd = _mm512_mul_pd(s, _mm512_sub_pd(_mm512_cvtps_pd(uh), r));
       _mm512_store_pd(x + 8 * h, xd);
       const __m512d j = _mm512_add_pd(
-          _mm512_roundscale_pd(_mm512_mul_pd(_mm512_sub_pd(xd, low), _mm512_set1_pd(1.0 / kEdgeStep)),
+          _mm512_roundscale_pd(_mm512_mul_pd(_mm512_sub_pd(xd, low), _mm512_set1_pd(1.0 / edges.step)),
                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
           _mm512_set1_pd(1.0));
-      const __m512d clamped = _mm512_min_pd(_mm512_max_pd(j, _mm512_setzero_pd()), _mm512_set1_pd(kEdgeCount));
+      const __m512d clamped = _mm512_min_pd(_mm512_max_pd(j, _mm512_setzero_pd()), _mm512_set1_pd(double(edges.count)));
       const __mmask8 ord = _mm512_cmp_pd_mask(xd, xd, _CMP_ORD_Q);
-      bins[h] = _mm512_cvtpd_epi32(_mm512_mask_mov_pd(_mm512_set1_pd(kEdgeCount), ord, clamped));
+      bins[h] = _mm512_cvtpd_epi32(_mm512_mask_mov_pd(_mm512_set1_pd(double(edges.count)), ord, clamped));
       xs[h] = _mm512_cvtpd_ps(xd);
     }
     const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(bins[0]), bins[1], 1);
@@ -125,12 +117,12 @@ struct PageScan {
 #endif
 
 #if defined(LOUVER_AVX2)
-  // add_tokens16 for 8 tokens (AVX2 builds): bins from fp64 x as edge_bin, masses from exp_ps8
+  // add_tokens16 for 8 tokens (AVX2 builds): bins from fp64 x as Edges::bin, masses from exp_ps8
   // (exp_ps16's results; x above 80: exp_up), scattered one counted lane at a time.
   void add_tokens8(int64_t g, __m256 ub, double ref, const HistRows& row, double& sum) const {
     const __m256 nan = _mm256_cmp_ps(ub, ub, _CMP_UNORD_Q);
     const __m256 u = _mm256_blendv_ps(_mm256_min_ps(ub, _mm256_set1_ps(pb[g])), ub, nan);  // NaN if either is
-    const __m256d s = _mm256_set1_pd(sigma), r = _mm256_set1_pd(ref), low = _mm256_set1_pd(kEdgeLow);
+    const __m256d s = _mm256_set1_pd(sigma), r = _mm256_set1_pd(ref), low = _mm256_set1_pd(edges.low);
     alignas(32) double x[8], mass[8];
     alignas(32) int32_t bin[8];
     __m128i bins[2];
@@ -139,11 +131,11 @@ struct PageScan {
       const __m128 uh = h ? _mm256_extractf128_ps(u, 1) : _mm256_castps256_ps128(u);
       const __m256d xd = _mm256_mul_pd(s, _mm256_sub_pd(_mm256_cvtps_pd(uh), r));
       _mm256_store_pd(x + 4 * h, xd);
-      const __m256d j = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(xd, low), _mm256_set1_pd(1.0 / kEdgeStep))),
+      const __m256d j = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(_mm256_sub_pd(xd, low), _mm256_set1_pd(1.0 / edges.step))),
                                       _mm256_set1_pd(1.0));
-      const __m256d clamped = _mm256_min_pd(_mm256_max_pd(j, _mm256_setzero_pd()), _mm256_set1_pd(kEdgeCount));
+      const __m256d clamped = _mm256_min_pd(_mm256_max_pd(j, _mm256_setzero_pd()), _mm256_set1_pd(double(edges.count)));
       const __m256d ord = _mm256_cmp_pd(xd, xd, _CMP_ORD_Q);
-      bins[h] = _mm256_cvtpd_epi32(_mm256_blendv_pd(_mm256_set1_pd(kEdgeCount), clamped, ord));
+      bins[h] = _mm256_cvtpd_epi32(_mm256_blendv_pd(_mm256_set1_pd(double(edges.count)), clamped, ord));
       xs[h] = _mm256_cvtpd_ps(xd);
     }
     const __m256i b = _mm256_set_m128i(bins[1], bins[0]);
@@ -171,7 +163,7 @@ struct PageScan {
   void add_token(int64_t g, float ub, double ref, const HistRows& row, double& sum) const {
     const float u = (std::isnan(ub) || std::isnan(pb[g])) ? NAN : std::min(ub, pb[g]);
     const double x = sigma * (double(u) - ref);
-    const int64_t bin = edge_bin(x);
+    const int64_t bin = edges.bin(x);
     if (bin >= page_bin[g]) return;  // NaN: past the last edge, never below the page
     const double e = exp_up(x);
     row.tok[bin] += e;
@@ -245,9 +237,9 @@ int64_t page_slices(int64_t n_pages) {
 
 // fp32 T of edge j for reference score ref (threshold.edge_threshold): just under the edge,
 // rounded down; −inf for j < 0 or a non-finite ref.
-float edge_threshold(int64_t j, float ref, double sigma) {
+float edge_threshold(int64_t j, float ref, double sigma, const Edges& edges) {
   if (j < 0 || !std::isfinite(ref)) return -INFINITY;
-  const double t = double(ref) + (kEdgeLow + kEdgeStep * double(j) - kEdgeMargin) / sigma;
+  const double t = double(ref) + (edges.low + edges.step * double(j) - edges.margin) / sigma;
   float t32 = static_cast<float>(t);
   if (double(t32) > t) t32 = std::nextafter(t32, -INFINITY);
   return t32;
@@ -255,19 +247,22 @@ float edge_threshold(int64_t j, float ref, double sigma) {
 
 }  // namespace
 
-// q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius [pages, H_kv, D] (KV dtype); codes
-// u8 [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4, 16, 4] (see Codes); ref [B, H_q]
-// f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64 safety factor; rounding: relative bound
-// on the histograms' fp64 rounding.
-// -> hist, habs [B, H_q, kEdgeCount + 2] f64 (the histogram and its absolute terms; the dropped mass
-// at edge j is cumsum(hist)[j] + rounding·cumsum(habs)[j]), t [B, H_q] f32, certificate [B, H_q] f64
-// (that mass at the chosen edge, relative to ref; 0 where T = −inf). tok [n, P, H_q] f32 and pb
-// [n, H_q] f32: the int8 token bounds and the page bounds, written when not empty (for tests).
-void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor page_req, torch::Tensor lo,
-                         torch::Tensor scale, torch::Tensor radius, torch::Tensor codes, torch::Tensor ref,
-                         torch::Tensor z_lb, double sigma, double eps_budget, double rounding, int64_t bits,
-                         int64_t page_size, torch::Tensor hist, torch::Tensor habs, torch::Tensor t,
-                         torch::Tensor certificate, torch::Tensor tok, torch::Tensor pb) {
+// The pass (CertifiedPass, ops.h): q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius
+// [pages, H_kv, D] (KV dtype); codes u8 [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4,
+// 16, 4] (see Codes); ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64 safety
+// factor; rounding: relative bound on the histograms' fp64 rounding; edges: the levels.
+// -> hist, habs [B, H_q, edges.count + 2] f64 (the histogram and its absolute terms; the dropped
+// mass at edge j is cumsum(hist)[j] + rounding·cumsum(habs)[j]), t [B, H_q] f32, certificate
+// [B, H_q] f64 (that mass at the chosen edge, relative to ref; 0 where T = −inf). tok [n, P, H_q]
+// f32 and pb [n, H_q] f32: the int8 token bounds and the page bounds, written when not empty.
+void louver_cpu::run_certified_pass(const CertifiedPass& c) {
+  const torch::Tensor &q = c.q, &page_ids = c.page_ids, &page_req = c.page_req, &lo = c.lo, &scale = c.scale;
+  const torch::Tensor &radius = c.radius, &ref = c.ref, &z_lb = c.z_lb, &hist = c.hist, &habs = c.habs;
+  const torch::Tensor &t = c.t, &certificate = c.certificate, &tok = c.tok, &pb = c.pb;
+  const double sigma = c.sigma, eps_budget = c.eps_budget, rounding = c.rounding;
+  const int64_t bits = c.bits, page_size = c.page_size, width = c.edges.width();
+  const Edges edges = c.edges;
+  const torch::Tensor& codes = c.codes;
   const int64_t n = page_ids.size(0), h_kv = lo.size(1), D = lo.size(2), B = ref.size(0);
   const Codes view = codes_view(codes);
   const int64_t h_q = q.size(1), G = h_q / h_kv, P = page_size;
@@ -275,8 +270,8 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
   TORCH_CHECK(q.is_contiguous() && ref.is_contiguous() && z_lb.is_contiguous() && hist.is_contiguous() &&
                   habs.is_contiguous() && t.is_contiguous() && certificate.is_contiguous(),
               "certified_threshold: q, ref, z_lb and the outputs must be contiguous");
-  TORCH_CHECK(hist.numel() == B * h_q * kHistWidth && habs.numel() == hist.numel(),
-              "certified_threshold: hist and habs must be [B, H_q, ", kHistWidth, "]");
+  TORCH_CHECK(hist.numel() == B * h_q * width && habs.numel() == hist.numel(),
+              "certified_threshold: hist and habs must be [B, H_q, ", width, "]");
   const bool with_bounds = tok.numel() > 0;
   TORCH_CHECK(!with_bounds || (tok.numel() == n * P * h_q && pb.numel() == n * h_q),
               "certified_threshold: tok must be [n, P, H_q] and pb [n, H_q]");
@@ -286,7 +281,7 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
   const float* rp = ref.data_ptr<float>();
   float* tok_out = with_bounds ? tok.data_ptr<float>() : nullptr;
   float* pb_out = with_bounds ? pb.data_ptr<float>() : nullptr;
-  const int64_t rows = B * h_q, S = page_slices(n), W = kHistWidth, threads = at::get_num_threads();
+  const int64_t rows = B * h_q, S = page_slices(n), W = width, threads = at::get_num_threads();
   // per thread: tok, page, covered rows (one per slice was ~1 MB at batch 1, fresh pages each call)
   std::vector<double> part(3 * threads * rows * W, 0.0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lo.scalar_type(), "certified_threshold", [&] {
@@ -294,7 +289,7 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
     const scalar_t* sp = scale.data_ptr<scalar_t>();
     const scalar_t* radp = radius.data_ptr<scalar_t>();
     at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-      PageScan scan(G, D, bits, P, sigma);
+      PageScan scan(G, D, bits, P, sigma, edges);
       std::vector<HistRows> hr(G);
       double* base = part.data() + 3 * at::get_thread_num() * rows * W;
       for (int64_t slice = begin; slice < end; ++slice) {
@@ -336,12 +331,26 @@ void certified_threshold(torch::Tensor q, torch::Tensor page_ids, torch::Tensor 
       cum += hp[r * W + j];
       cum_abs += ap[r * W + j];
       const double bound = cum + rounding * cum_abs;
-      if (j < kEdgeCount && bound <= eps_budget * zp[r]) {
+      if (j < edges.count && bound <= eps_budget * zp[r]) {
         edge = j;
         cert = bound;
       }
     }
-    tp[r] = edge_threshold(edge, rp[r], sigma);
+    tp[r] = edge_threshold(edge, rp[r], sigma, edges);
     cp[r] = edge < 0 ? 0.0 : cert;
   }
+}
+
+// The pass as an op, by name (fields of CertifiedPass; tok and pb may be empty).
+void certified_threshold(Named& n) {
+  CertifiedPass c;
+  c.q = n.tensor("q"), c.page_ids = n.tensor("page_ids"), c.page_req = n.tensor("page_req"), c.lo = n.tensor("lo");
+  c.scale = n.tensor("scale"), c.radius = n.tensor("radius"), c.codes = n.tensor("codes"), c.ref = n.tensor("ref");
+  c.z_lb = n.tensor("z_lb"), c.sigma = n.real("sigma"), c.eps_budget = n.real("eps_budget");
+  c.rounding = n.real("rounding"), c.bits = n.integer("bits"), c.page_size = n.integer("page_size");
+  c.edges = Edges::read(n);
+  c.hist = n.tensor("hist"), c.habs = n.tensor("habs"), c.t = n.tensor("t"), c.certificate = n.tensor("certificate");
+  c.tok = n.tensor("tok"), c.pb = n.tensor("pb");
+  n.done();
+  run_certified_pass(c);
 }

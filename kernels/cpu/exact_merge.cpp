@@ -1,5 +1,5 @@
-// The exact part, the merge and the chunk totals as ops of their own (the certified path calls
-// them around its bound passes; fused_step runs the same phases in one parallel region).
+// The exact part, the merge and the chunk totals as ops of their own, by name (the tests check
+// them against their torch specifications; LayerStep runs the same phases in one parallel region).
 
 #include "exact_merge.h"
 #include "ops.h"
@@ -14,11 +14,12 @@ using namespace louver_cpu;
 // score), z [B, H_q, 2] f64 (Σ e^{σ(s − ref)} over the dense part, over the sample). With a budget
 // fraction f >= 0 it also writes the budget policy's T [B, H_q] f32 (threshold.budget_threshold is
 // the specification); with f < 0, t is not touched.
-void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slots, torch::Tensor dense_req,
-                torch::Tensor sample_slots, torch::Tensor sample_req, double sigma, double budget,
-                torch::Tensor s_dense, torch::Tensor sample, torch::Tensor ref, torch::Tensor z, torch::Tensor t) {
-  const ExactArgs e = exact_args(q, k_cache, dense_slots, dense_req, sample_slots, sample_req, sigma, budget, s_dense,
-                                 sample, ref, z, t);
+void exact_part(Named& n) {
+  torch::Tensor q = n.tensor("q"), k_cache = n.tensor("k_cache"), s_dense = n.tensor("s_dense");
+  torch::Tensor sample = n.tensor("sample"), ref = n.tensor("ref"), z = n.tensor("z"), t = n.tensor("t");
+  const ExactArgs e = exact_args(q, k_cache, n.tensor("dense_slots"), n.tensor("dense_req"), n.tensor("sample_slots"),
+                                 n.tensor("sample_req"), n.real("sigma"), n.real("budget"), s_dense, sample, ref, z, t);
+  n.done();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "exact_part", [&] {
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     at::parallel_for(0, e.nd + e.ns, 16, [&](int64_t begin, int64_t end) {
@@ -36,10 +37,11 @@ void exact_part(torch::Tensor q, torch::Tensor k_cache, torch::Tensor dense_slot
 // the specification). s_dense [ND, H_q] f32; dense_slots, dense_req [ND] i64; v_cache [slots, H_kv,
 // Dv]; m, l [NC, H_q] f32 (m in σ·score units; −inf: empty chunk); o [NC, H_q, Dv] f32; chunk_req
 // [NC] i64 (both row lists request-sorted) -> out [B, H_q, Dv] f32.
-void merge_chunks(torch::Tensor s_dense, torch::Tensor dense_slots, torch::Tensor dense_req, torch::Tensor v_cache,
-                  torch::Tensor m, torch::Tensor l, torch::Tensor o, torch::Tensor chunk_req, double sigma,
-                  torch::Tensor out) {
-  const MergeArgs g = merge_args(s_dense, dense_slots, dense_req, v_cache, m, l, o, chunk_req, sigma, out);
+void merge_chunks(Named& n) {
+  torch::Tensor v_cache = n.tensor("v_cache"), out = n.tensor("out");
+  const MergeArgs g = merge_args(n.tensor("s_dense"), n.tensor("dense_slots"), n.tensor("dense_req"), v_cache,
+                                 n.tensor("m"), n.tensor("l"), n.tensor("o"), n.tensor("chunk_req"), n.real("sigma"), out);
+  n.done();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v_cache.scalar_type(), "merge_chunks", [&] {
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, g.B * g.h_kv, 1, [&](int64_t begin, int64_t end) { merge_tasks(g, vc, begin, end); });
@@ -50,7 +52,8 @@ void merge_chunks(torch::Tensor s_dense, torch::Tensor dense_slots, torch::Tenso
 // specification). counts [NC, H_kv, 2G + 3] i64, mass [NC, H_kv, G, 3] f64, chunk_req [NC] i64 ->
 // per_head [B, H_q, 2] i64 (attended, pages skipped), per_req [B, 3] i64 (union candidates, values
 // read, pages read), masses [B, H_q, 3] f64; all outputs are overwritten.
-void chunk_totals(torch::Tensor counts, torch::Tensor mass, torch::Tensor chunk_req, torch::Tensor per_head,
-                  torch::Tensor per_req, torch::Tensor masses) {
-  chunk_totals_into(counts, mass, chunk_req, per_head, per_req, masses);
+void chunk_totals(Named& n) {
+  torch::Tensor per_head = n.tensor("per_head"), per_req = n.tensor("per_req"), masses = n.tensor("masses");
+  chunk_totals_into(n.tensor("counts"), n.tensor("mass"), n.tensor("chunk_req"), per_head, per_req, masses);
+  n.done();
 }

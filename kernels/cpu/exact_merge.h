@@ -28,10 +28,10 @@ inline float budget_pick(const float* scores, int64_t stride, int64_t n, double 
   return scratch[k - 1 - nans];
 }
 
-// threshold.gate_threshold: T − 1e-4·(|T| + 1) with torch's fp32 operations (volatile keeps the
+// contract.ValueGate.threshold: T − rel·(|T| + 1) with torch's fp32 operations (volatile keeps the
 // compiler from fusing them into one FMA, whose rounding would differ).
-inline float value_gate_threshold(float t) {
-  volatile float margin = 1e-4f * (std::fabs(t) + 1.f);
+inline float value_gate_threshold(float t, float rel) {
+  volatile float margin = rel * (std::fabs(t) + 1.f);
   return t - margin;
 }
 

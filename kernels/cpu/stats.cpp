@@ -39,20 +39,25 @@ bool step_stats_packed(const float* t, const double* z, const int64_t* per_head,
     double* row = packed + (b * (H + 1) + H) * 4;
     row[0] = fallback ? 1.0 : 0.0;
     for (int j = 0; j < 3; ++j) row[1 + j] = static_cast<double>(per_req[b * 3 + j]);
+    if (fallback) row[2] = static_cast<double>(num_indexed[b] * h_kv);  // dense attention reads every V row
   }
   return any;
 }
 
 }  // namespace louver_cpu
 
-// fused.step_stats_reference is the specification. t [B, H_q] f32; z [B, H_q, 2] f64 (masses of
-// the dense part and the sample); per_head [B, H_q, 2] i64 (attended, pages skipped); per_req
-// [B, 3] i64 (union candidates, values read, pages read); masses [B, H_q, 3] f64; index_dropped
-// [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64 -> (packed statistics, see
-// stats.h, and whether any request falls back to dense).
-std::tuple<torch::Tensor, bool> step_stats(torch::Tensor t, torch::Tensor z, torch::Tensor per_head,
-                                           torch::Tensor per_req, torch::Tensor masses, torch::Tensor index_dropped,
-                                           torch::Tensor num_indexed, double fallback_fraction, int64_t h_kv) {
+// fused.step_stats_reference is the specification. By name: t [B, H_q] f32; z [B, H_q, 2] f64
+// (masses of the dense part and the sample); per_head [B, H_q, 2] i64 (attended, pages skipped);
+// per_req [B, 3] i64 (union candidates, values read, pages read); masses [B, H_q, 3] f64;
+// index_dropped [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64;
+// fallback_fraction; h_kv -> (packed statistics, see stats.h, and whether any request falls back).
+std::tuple<torch::Tensor, bool> step_stats(louver_cpu::Named& n) {
+  const torch::Tensor t = n.tensor("t"), z = n.tensor("z"), per_head = n.tensor("per_head");
+  const torch::Tensor per_req = n.tensor("per_req"), masses = n.tensor("masses");
+  const torch::Tensor index_dropped = n.tensor("index_dropped"), num_indexed = n.tensor("num_indexed");
+  const double fallback_fraction = n.real("fallback_fraction");
+  const int64_t h_kv = n.integer("h_kv");
+  n.done();
   const int64_t B = t.size(0), H = t.size(1);
   TORCH_CHECK(t.is_contiguous() && z.is_contiguous() && per_head.is_contiguous() && per_req.is_contiguous() &&
                   masses.is_contiguous() && num_indexed.is_contiguous() && index_dropped.is_contiguous(),

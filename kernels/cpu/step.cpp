@@ -24,7 +24,7 @@ enum Phases { kExactPart = 1, kAttendMerge = 2, kAllPhases = 3 };
 // as two regions with the threshold's bound pass between.
 template <typename KV>
 void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, const KV* kc, const KV* vc, const KV* lo,
-                const KV* sc, const KV* rad, double t_fixed, bool value_gate, float* tp, float* gp,
+                const KV* sc, const KV* rad, double t_fixed, bool value_gate, float gate_rel, float* tp, float* gp,
                 int phases = kAllPhases) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -42,7 +42,7 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
       for (int64_t bh = 0; bh < e.B * e.H; ++bh) {
         exact_heads(e, bh, bh + 1, scratch);
         if (!e.tp) tp[bh] = static_cast<float>(t_fixed);
-        gp[bh] = value_gate ? value_gate_threshold(tp[bh]) : -INFINITY;
+        gp[bh] = value_gate ? value_gate_threshold(tp[bh], gate_rel) : -INFINITY;
       }
     }
     if (phases & kAttendMerge) {
@@ -56,30 +56,38 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
 
 }  // namespace
 
-// Inputs as for exact_part and grid_sparse_attend; budget >= 0: T is the sample rule's, else
-// t_fixed (−inf for the dense policy); value_gate: gate = threshold.gate_threshold(T), else −inf.
-// Outputs (all written): s_dense, sample, ref, z, t, gate [B, H_q] f32, the attend outputs m, l, o,
-// counts, mass, result [B, H_q, Dv] f32, and the chunk totals per_head, per_req, masses.
-void fused_step(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor lo, torch::Tensor scale,
-                torch::Tensor radius, torch::Tensor codes, torch::Tensor dense_slots, torch::Tensor dense_req,
-                torch::Tensor sample_slots, torch::Tensor sample_req, torch::Tensor page_ids, torch::Tensor chunk_req,
-                torch::Tensor chunk_begin, torch::Tensor chunk_end, double sigma, double budget, double t_fixed,
-                bool value_gate, int64_t bits, int64_t page_size, torch::Tensor s_dense, torch::Tensor sample,
-                torch::Tensor ref, torch::Tensor z, torch::Tensor t, torch::Tensor gate, torch::Tensor m_out,
-                torch::Tensor l_out, torch::Tensor o_out, torch::Tensor counts, torch::Tensor mass,
-                torch::Tensor result, torch::Tensor per_head, torch::Tensor per_req, torch::Tensor masses) {
+// One whole step of the sample-threshold policies by name: inputs as for exact_part and the
+// attend pass (q [B, H_q, D] f32, k_cache, v_cache, lo, scale, radius, codes, dense_slots,
+// dense_req, sample_slots, sample_req, page_ids, chunk_req, chunk_begin, chunk_end, sigma, budget
+// (>= 0: T is the sample rule's, else t_fixed, −inf for the dense policy), t_fixed, value_gate and
+// gate_rel (gate = T − gate_rel·(|T| + 1), else −inf), bits, page_size). Outputs (all written):
+// s_dense, sample, ref, z, t, gate [B, H_q] f32, the attend outputs m, l, o, counts, mass, result
+// [B, H_q, Dv] f32, and the chunk totals per_head, per_req, masses.
+void fused_step(Named& n) {
+  torch::Tensor q = n.tensor("q"), k_cache = n.tensor("k_cache"), v_cache = n.tensor("v_cache");
+  torch::Tensor lo = n.tensor("lo"), scale = n.tensor("scale"), radius = n.tensor("radius"), codes = n.tensor("codes");
+  torch::Tensor s_dense = n.tensor("s_dense"), sample = n.tensor("sample"), ref = n.tensor("ref"), z = n.tensor("z");
+  torch::Tensor t = n.tensor("t"), gate = n.tensor("gate"), m = n.tensor("m"), l = n.tensor("l"), o = n.tensor("o");
+  torch::Tensor counts = n.tensor("counts"), mass = n.tensor("mass"), result = n.tensor("result");
+  torch::Tensor chunk_req = n.tensor("chunk_req"), dense_slots = n.tensor("dense_slots"), dense_req = n.tensor("dense_req");
+  const double sigma = n.real("sigma"), budget = n.real("budget"), t_fixed = n.real("t_fixed");
+  const bool value_gate = n.flag("value_gate");
+  const float gate_rel = static_cast<float>(n.real("gate_rel"));
   TORCH_CHECK(lo.scalar_type() == k_cache.scalar_type(), "index codebooks must use the KV dtype");
-  const ExactArgs e = exact_args(q, k_cache, dense_slots, dense_req, sample_slots, sample_req, sigma, budget, s_dense,
-                                 sample, ref, z, t);
-  const AttendArgs a = attend_args(q, k_cache, v_cache, codes, page_ids, chunk_req, chunk_begin, chunk_end, t, gate,
-                                   ref, sigma, bits, page_size, m_out, l_out, o_out, counts, mass);
-  const MergeArgs g = merge_args(s_dense, dense_slots, dense_req, v_cache, m_out.view({a.n_chunks, a.h_q}),
-                                 l_out.view({a.n_chunks, a.h_q}), o_out.view({a.n_chunks, a.h_q, a.dim_v}),
-                                 chunk_req, sigma, result);
+  const ExactArgs e = exact_args(q, k_cache, dense_slots, dense_req, n.tensor("sample_slots"),
+                                 n.tensor("sample_req"), sigma, budget, s_dense, sample, ref, z, t);
+  const AttendArgs a = attend_args(q, k_cache, v_cache, codes, n.tensor("page_ids"), chunk_req,
+                                   n.tensor("chunk_begin"), n.tensor("chunk_end"), t, gate, ref, sigma,
+                                   n.integer("bits"), n.integer("page_size"), m, l, o, counts, mass);
+  const MergeArgs g = merge_args(s_dense, dense_slots, dense_req, v_cache, m.view({a.n_chunks, a.h_q}),
+                                 l.view({a.n_chunks, a.h_q}), o.view({a.n_chunks, a.h_q, a.dim_v}), chunk_req, sigma,
+                                 result);
+  torch::Tensor per_head = n.tensor("per_head"), per_req = n.tensor("per_req"), masses = n.tensor("masses");
+  n.done();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "fused_step", [&] {
     run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-               scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, t.data_ptr<float>(),
-               gate.data_ptr<float>());
+               scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, gate_rel,
+               t.data_ptr<float>(), gate.data_ptr<float>());
   });
   chunk_totals_into(counts, mass, chunk_req, per_head, per_req, masses);
 }
@@ -111,17 +119,20 @@ void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name
 
 }  // namespace
 
-StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::Tensor> buffers) {
-  TORCH_CHECK(plan_tensors.size() == 10 && buffers.size() == 20, "StepPlan: expected 10 plan tensors and 20 buffers");
-  dense_slots = plan_tensors[0], dense_req = plan_tensors[1], sample_slots = plan_tensors[2];
-  sample_req = plan_tensors[3], page_ids = plan_tensors[4], chunk_req = plan_tensors[5];
-  chunk_begin = plan_tensors[6], chunk_end = plan_tensors[7], num_indexed = plan_tensors[8];
-  page_req = plan_tensors[9];
-  for (const auto& x : plan_tensors) check_buffer(x, at::kLong, "a plan tensor");
-  q32 = buffers[0], s_dense = buffers[1], sample = buffers[2], ref = buffers[3], z = buffers[4], t = buffers[5];
-  gate = buffers[6], m = buffers[7], l = buffers[8], o = buffers[9], counts = buffers[10], mass = buffers[11];
-  result = buffers[12], per_head = buffers[13], per_req = buffers[14], masses = buffers[15];
-  z_lb = buffers[16], hist = buffers[17], habs = buffers[18], certificate = buffers[19];
+StepPlan::StepPlan(Named& n) {
+  dense_slots = n.tensor("dense_slots"), dense_req = n.tensor("dense_req"), sample_slots = n.tensor("sample_slots");
+  sample_req = n.tensor("sample_req"), page_ids = n.tensor("page_ids"), chunk_req = n.tensor("chunk_req");
+  chunk_begin = n.tensor("chunk_begin"), chunk_end = n.tensor("chunk_end"), num_indexed = n.tensor("num_indexed");
+  page_req = n.tensor("page_req");
+  q32 = n.tensor("q32"), s_dense = n.tensor("s_dense"), sample = n.tensor("sample"), ref = n.tensor("ref");
+  z = n.tensor("z"), t = n.tensor("t"), gate = n.tensor("gate"), m = n.tensor("m"), l = n.tensor("l");
+  o = n.tensor("o"), counts = n.tensor("counts"), mass = n.tensor("mass"), result = n.tensor("result");
+  per_head = n.tensor("per_head"), per_req = n.tensor("per_req"), masses = n.tensor("masses");
+  z_lb = n.tensor("z_lb"), hist = n.tensor("hist"), habs = n.tensor("habs"), certificate = n.tensor("certificate");
+  n.done();
+  for (const auto* x : {&dense_slots, &dense_req, &sample_slots, &sample_req, &page_ids, &chunk_req, &chunk_begin,
+                        &chunk_end, &num_indexed, &page_req})
+    check_buffer(*x, at::kLong, "a plan tensor");
   for (const auto* x : {&q32, &s_dense, &sample, &ref, &t, &gate, &m, &l, &o, &result})
     check_buffer(*x, at::kFloat, "an fp32 buffer");
   for (const auto* x : {&z, &mass, &masses, &z_lb, &hist, &habs, &certificate})
@@ -129,19 +140,19 @@ StepPlan::StepPlan(std::vector<torch::Tensor> plan_tensors, std::vector<torch::T
   for (const auto* x : {&counts, &per_head, &per_req}) check_buffer(*x, at::kLong, "a count buffer");
   TORCH_CHECK(q32.dim() == 3 && result.dim() == 3 && result.size(0) == q32.size(0) && result.size(1) == q32.size(1),
               "StepPlan: q32 must be [B, H_q, D] and result [B, H_q, D_v]");
-  const int64_t n = chunk_req.size(0), heads = q32.size(1);
-  m2 = m.view({n, heads});
-  l2 = l.view({n, heads});
-  o2 = o.view({n, heads, result.size(2)});
+  const int64_t chunks = chunk_req.size(0), heads = q32.size(1);
+  m2 = m.view({chunks, heads});
+  l2 = l.view({chunks, heads});
+  o2 = o.view({chunks, heads, result.size(2)});
 }
 
-LayerStep::LayerStep(torch::Tensor k_cache_, torch::Tensor v_cache_, torch::Tensor lo_, torch::Tensor scale_,
-                     torch::Tensor radius_, torch::Tensor codes_, double sigma_, double budget_, double t_fixed_,
-                     bool value_gate_, int64_t bits_, int64_t page_size_, double fallback_fraction_,
-                     double eps_budget_, double rounding_)
-    : k_cache(k_cache_), v_cache(v_cache_), lo(lo_), scale(scale_), radius(radius_), codes(codes_), sigma(sigma_),
-      budget(budget_), t_fixed(t_fixed_), fallback_fraction(fallback_fraction_), eps_budget(eps_budget_),
-      rounding(rounding_), value_gate(value_gate_), bits(bits_), page_size(page_size_) {
+LayerStep::LayerStep(Named& n)
+    : k_cache(n.tensor("k_cache")), v_cache(n.tensor("v_cache")), lo(n.tensor("lo")), scale(n.tensor("scale")),
+      radius(n.tensor("radius")), codes(n.tensor("codes")), sigma(n.real("sigma")), budget(n.real("budget")),
+      t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
+      eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), value_gate(n.flag("value_gate")),
+      bits(n.integer("bits")), page_size(n.integer("page_size")), edges(Edges::read(n)) {
+  n.done();
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
               "LayerStep: the KV caches and the index must be CPU tensors");
@@ -180,17 +191,20 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
     const auto run = [&](int phases) {
       run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate, p.t.data_ptr<float>(),
-                 p.gate.data_ptr<float>(), phases);
+                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
+                 static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), phases);
     };
     if (!certified) return run(kAllPhases);
     run(kExactPart);  // ref and the exact masses, then T from every token bound (gate: −inf)
     const double* z = p.z.data_ptr<double>();
     double* z_lb = p.z_lb.data_ptr<double>();
     for (int64_t i = 0; i < B * H; ++i) z_lb[i] = z[2 * i] + z[2 * i + 1];
-    static const torch::Tensor none = torch::empty({0});
-    certified_threshold(p.q32, p.page_ids, p.page_req, lo, scale, radius, codes, p.ref, p.z_lb, sigma, eps_budget,
-                        rounding, bits, page_size, p.hist, p.habs, p.t, p.certificate, none, none);
+    CertifiedPass c;
+    c.q = p.q32, c.page_ids = p.page_ids, c.page_req = p.page_req, c.lo = lo, c.scale = scale, c.radius = radius;
+    c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
+    c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges;
+    c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
+    run_certified_pass(c);
     run(kAttendMerge);
   });
   chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);

@@ -19,16 +19,19 @@ FP32_U = tl.constexpr(5.9604644775390625e-08)
 
 
 @triton.jit
-def request_layout(seq_len, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
-    """(pages, first indexed page, end of indexed pages) of a request with ``seq_len`` tokens.
+def request_layout(seq_len, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, min_sparse):
+    """(pages, first indexed page, end of indexed pages) of a request with ``seq_len`` tokens:
+    ``louver_sgl.decode.contract.RequestLayout.split`` on the device.
 
-    Pages [0, first) are sink pages, [first, end) indexed, [end, pages) recent pages and the tail.
+    Pages [0, first) are sink pages, [first, end) indexed, [end, pages) recent pages and the tail;
+    a request shorter than ``min_sparse`` tokens has no indexed page.
     """
     full = seq_len // P
     sink = tl.minimum(full, SINK)
     recent = tl.minimum(full - sink, RECENT)
     pages = (seq_len + P - 1) // P
-    return pages, sink, full - recent
+    short = seq_len < min_sparse
+    return pages, tl.where(short, full, sink), tl.where(short, full, full - recent)
 
 
 @triton.jit

@@ -29,10 +29,10 @@ from .grid_bounds import (
 )
 from .launch import TritonLaunch
 
-EDGE_LOW = tl.constexpr(-48.0)
-EDGE_STEP = tl.constexpr(0.25)
-EDGE_COUNT = tl.constexpr(257)
-HIST_WIDTH = tl.constexpr(259)
+# The request layout, the threshold edges and the value gate's margin are the caller's data
+# (``louver_sgl.decode.contract``), passed to every kernel as constexprs (``layout_args``,
+# ``edge_args``) rather than written here a second time.
+HIST_TILE = tl.constexpr(512)  # histogram bins one tile holds: edge count + 2 must fit
 
 
 @triton.jit
@@ -58,15 +58,16 @@ def _online_mass(m, z, s, s_lb, valid, sigma):
 @triton.jit
 def _exact_part_kernel(
     q_ptr, k_ptr, table_ptr, lens_ptr, ref_ptr, zlb_ptr, sample_ptr, t_ptr, hist_ptr, habs_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma, budget,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma, budget, min_sparse,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     BLOCK_T: tl.constexpr, QHI: tl.constexpr, BUDGET: tl.constexpr, ZERO_HIST: tl.constexpr,
+    HIST_WIDTH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
-    pages, first, end = request_layout(seq_len, P, SINK, RECENT)
+    pages, first, end = request_layout(seq_len, P, SINK, RECENT, min_sparse)
     n_sink_tok = first * P
     n_dense = n_sink_tok + seq_len - end * P
     n_idx = (end - first) * P
@@ -109,11 +110,11 @@ def _exact_part_kernel(
         t = tl.where(count > 0, t, float("-inf"))
         tl.store(t_ptr + head_row, t, mask=gmask)
     if ZERO_HIST:
-        e = tl.arange(0, 512)
+        e = tl.arange(0, HIST_TILE)
         rows = head_row[:, None] * HIST_WIDTH + e[None, :]
         zero_mask = gmask[:, None] & (e < HIST_WIDTH)[None, :]
-        tl.store(hist_ptr + rows, tl.zeros((BG, 512), tl.float64), mask=zero_mask)
-        tl.store(habs_ptr + rows, tl.zeros((BG, 512), tl.float64), mask=zero_mask)
+        tl.store(hist_ptr + rows, tl.zeros((BG, HIST_TILE), tl.float64), mask=zero_mask)
+        tl.store(habs_ptr + rows, tl.zeros((BG, HIST_TILE), tl.float64), mask=zero_mask)
 
 
 @triton.jit
@@ -128,7 +129,8 @@ def _round_down_f32(t):
 @triton.jit
 def _certified_threshold_kernel(
     hist_ptr, habs_ptr, ref_ptr, zlb_ptr, t_ptr, cert_ptr, sigma, eps_budget, rounding,
-    G: tl.constexpr, BG: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, EDGE_LOW: tl.constexpr, EDGE_STEP: tl.constexpr,
+    EDGE_COUNT: tl.constexpr, EDGE_MARGIN: tl.constexpr, HIST_WIDTH: tl.constexpr,
 ):
     """T per head: the largest edge whose certified dropped mass fits eps·Z_lb."""
     b = tl.program_id(0)
@@ -136,7 +138,7 @@ def _certified_threshold_kernel(
     g = tl.arange(0, BG)
     gmask = g < G
     head_row = b * tl.num_programs(1) * G + h * G + g
-    e = tl.arange(0, 512)
+    e = tl.arange(0, HIST_TILE)
     rows = head_row[:, None] * HIST_WIDTH + e[None, :]
     emask = gmask[:, None] & (e < HIST_WIDTH)[None, :]
     hist = tl.load(hist_ptr + rows, mask=emask, other=0.0)
@@ -147,7 +149,7 @@ def _certified_threshold_kernel(
     edge = tl.max(tl.where(ok, e[None, :], -1), 1)
     cert = tl.sum(tl.where(e[None, :] == edge[:, None], bound, 0.0), 1)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0)
-    t64 = ref.to(tl.float64) + (EDGE_LOW + EDGE_STEP * edge.to(tl.float64) - 1e-6) / sigma
+    t64 = ref.to(tl.float64) + (EDGE_LOW + EDGE_STEP * edge.to(tl.float64) - EDGE_MARGIN) / sigma
     t = _round_down_f32(t64)
     t = tl.where((edge < 0) | (tl.abs(ref) == float("inf")) | (ref != ref), float("-inf"), t)
     tl.store(t_ptr + head_row, t, mask=gmask)
@@ -155,7 +157,7 @@ def _certified_threshold_kernel(
 
 
 @triton.jit
-def _edge_bin(x):
+def _edge_bin(x, EDGE_LOW: tl.constexpr, EDGE_STEP: tl.constexpr, EDGE_COUNT: tl.constexpr):
     """Number of threshold edges <= x (fp64); NaN maps past the last edge."""
     b = tl.floor((x - EDGE_LOW) / EDGE_STEP) + 1.0
     b = tl.minimum(tl.maximum(b, 0.0), EDGE_COUNT * 1.0)
@@ -165,15 +167,16 @@ def _edge_bin(x):
 @triton.jit
 def _certified_hist_kernel(
     q_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr, ref_ptr, hist_ptr, habs_ptr,
-    stride_qb, stride_qh, stride_tb, stride_ms, stride_mh, stride_cs, stride_ch, sigma,
+    stride_qb, stride_qh, stride_tb, stride_ms, stride_mh, stride_cs, stride_ch, sigma, min_sparse,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BITS: tl.constexpr,
-    SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT,
+    SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT, EDGE_LOW: tl.constexpr, EDGE_STEP: tl.constexpr,
+    EDGE_COUNT: tl.constexpr, HIST_WIDTH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
-    pages, first, end = request_layout(seq_len, P, SINK, RECENT)
+    pages, first, end = request_layout(seq_len, P, SINK, RECENT, min_sparse)
     g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0).to(tl.float64)
     base = head_row * HIST_WIDTH
@@ -188,8 +191,8 @@ def _certified_hist_kernel(
         u = tl.minimum(u, pb[None, :])
         x_page = sigma * (pb.to(tl.float64) - ref)
         x_tok = sigma * (u.to(tl.float64) - ref[None, :])
-        b_page = _edge_bin(x_page)
-        b_tok = _edge_bin(x_tok)
+        b_page = _edge_bin(x_page, EDGE_LOW, EDGE_STEP, EDGE_COUNT)
+        b_tok = _edge_bin(x_tok, EDGE_LOW, EDGE_STEP, EDGE_COUNT)
         m_page = tl.where(x_page == x_page, P * tl.exp(tl.minimum(x_page, 700.0)), 0.0)
         below = (b_tok < b_page[None, :]) & (x_tok == x_tok)
         m_tok = tl.where(below, tl.exp(tl.minimum(x_tok, 700.0)), 0.0)
@@ -204,28 +207,36 @@ def _certified_hist_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr,
-    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr,
+    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT,
+    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT, min_sparse,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, KEEP_OUT: tl.constexpr,
+    QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, GATE_REL: tl.constexpr, KEEP_OUT: tl.constexpr,
+    FALLBACK_PASS: tl.constexpr,
 ):
     # Work is skipped where nothing survives: a skipped page reads no codes, a page without
-    # candidates reads no keys, a key no head attends reads no value.
+    # candidates reads no keys, a key no head attends reads no value. The fallback pass runs
+    # only the requests flagged in flag_ptr, densely (T = −inf), and leaves the counters alone.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n_heads_kv = tl.num_programs(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
-    pages, first, end = request_layout(seq_len, P, SINK, RECENT)
+    pages, first, end = request_layout(seq_len, P, SINK, RECENT, min_sparse)
     g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     dim = tl.arange(0, D)
     dv = tl.arange(0, DV)
     tok = tl.arange(0, P)
-    t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
+    if FALLBACK_PASS:
+        runs = tl.load(flag_ptr + b) != 0
+        pages = tl.where(runs, pages, 0)
+        t = tl.full((BG,), float("-inf"), tl.float32)
+    else:
+        runs = pages >= 0
+        t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
     if GATE:  # candidates clearly below T skip their V read (budget and fixed policies)
-        gate_t = t - 1e-4 * (tl.abs(t) + 1.0)
+        gate_t = t - GATE_REL * (tl.abs(t) + 1.0)
     else:
         gate_t = tl.full((BG,), float("-inf"), tl.float32)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0)
@@ -292,17 +303,18 @@ def _attend_kernel(
                 tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
                          mask=gmask[None, :] & valid[:, None])
     split_row = (b * n_heads_kv + h) * tl.num_programs(2) + s
-    tl.store(m_ptr + split_row * BG + g, m_i)
-    tl.store(l_ptr + split_row * BG + g, l_i)
-    tl.store(o_ptr + (split_row * BG + g[:, None]) * DV + dv[None, :], acc)
-    counts = count_ptr + split_row * 5 * BG + g
-    tl.store(counts, n_att)
-    tl.store(counts + BG, n_skip)
-    tl.store(counts + 2 * BG, tl.where(g == 0, tl.sum(n_union, 0), 0))
-    tl.store(counts + 3 * BG, tl.where(g == 0, tl.sum(n_values, 0), 0))
-    tl.store(counts + 4 * BG, n_read)
-    tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
-    tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
+    tl.store(m_ptr + split_row * BG + g, m_i, mask=runs)
+    tl.store(l_ptr + split_row * BG + g, l_i, mask=runs)
+    tl.store(o_ptr + (split_row * BG + g[:, None]) * DV + dv[None, :], acc, mask=runs)
+    if not FALLBACK_PASS:  # the counters stay the filter's
+        counts = count_ptr + split_row * 5 * BG + g
+        tl.store(counts, n_att)
+        tl.store(counts + BG, n_skip)
+        tl.store(counts + 2 * BG, tl.where(g == 0, tl.sum(n_union, 0), 0))
+        tl.store(counts + 3 * BG, tl.where(g == 0, tl.sum(n_values, 0), 0))
+        tl.store(counts + 4 * BG, n_read)
+        tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
+        tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
 
 
 @triton.jit
@@ -360,9 +372,25 @@ def _kv_dtype(k_cache: torch.Tensor):
     return _DTYPES[k_cache.dtype]
 
 
-def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float, page_size: int,
-               sink_pages: int, recent_pages: int, launch: TritonLaunch = TritonLaunch(),
-               budget_threshold=None, budget: float = 0.0, hist=None, habs=None) -> None:
+def layout_args(page_size: int, sink_pages: int, recent_pages: int) -> dict:
+    """The request layout's constexprs of the kernels."""
+    return dict(P=page_size, SINK=sink_pages, RECENT=recent_pages)
+
+
+def edge_args(edges, with_margin: bool = False) -> dict:
+    """The threshold edges' constexprs (``edges``: a ``contract.ThresholdEdges``)."""
+    if edges.count + 2 > HIST_TILE.value:
+        raise ValueError(f"{edges.count} threshold edges do not fit the histogram tile of {HIST_TILE.value} bins")
+    args = dict(EDGE_LOW=float(edges.low), EDGE_STEP=float(edges.step), EDGE_COUNT=int(edges.count),
+                HIST_WIDTH=int(edges.count) + 2)
+    if with_margin:
+        args["EDGE_MARGIN"] = float(edges.margin)
+    return args
+
+
+def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float, layout: dict, min_sparse: int,
+               launch: TritonLaunch = TritonLaunch(), budget_threshold=None, budget: float = 0.0, hist=None,
+               habs=None) -> None:
     """Reference score, Z_lb and sample scores of a decode batch (and optionally the budget T,
     and zeroed certified histograms).
 
@@ -372,9 +400,10 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
             seq_lens: ``[B]`` int32/int64 tokens per request (>= 1).
         ref: ``[B, H_q]`` fp32 out; z_lb: ``[B, H_q]`` fp64 out; sample: ``[B, H_q, M]`` fp32 out
             (scores of the evenly spaced sample, −inf padded; M = sample size).
+        layout: ``layout_args`` of the request layout; min_sparse: its ``min_sparse_tokens``.
         budget_threshold: optional ``[B, H_q]`` fp32 out: the budget policy's T for fraction
             ``budget`` (the max(1, floor(f·count))-th largest sample score).
-        hist, habs: optional ``[B, H_q, 259]`` fp64 histograms to zero for ``certified_hist``.
+        hist, habs: optional ``[B, H_q, W]`` fp64 histograms to zero for ``certified_hist``.
     """
     batch, heads, dim = q.shape
     h_kv = k_cache.shape[1]
@@ -385,22 +414,23 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
         budget_threshold if budget_threshold is not None else ref, hist if hist is not None else z_lb,
         habs if habs is not None else z_lb,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), float(sigma),
-        float(budget),
-        P=page_size, D=dim, G=groups, BG=block_g(groups, launch), SINK=sink_pages, RECENT=recent_pages,
-        M=m, MP=triton.next_power_of_2(m), BLOCK_T=launch.exact_block, QHI=_kv_dtype(k_cache),
-        BUDGET=budget_threshold is not None, ZERO_HIST=hist is not None, num_warps=launch.exact_warps,
+        float(budget), int(min_sparse), **layout,
+        D=dim, G=groups, BG=block_g(groups, launch), M=m, MP=triton.next_power_of_2(m), BLOCK_T=launch.exact_block,
+        QHI=_kv_dtype(k_cache), BUDGET=budget_threshold is not None, ZERO_HIST=hist is not None,
+        HIST_WIDTH=hist.shape[-1] if hist is not None else 1, num_warps=launch.exact_warps,
     )
 
 
-def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma: float, page_size: int,
-                   bits: int, sink_pages: int, recent_pages: int, launch: TritonLaunch = TritonLaunch()) -> None:
+def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma: float, layout: dict,
+                   min_sparse: int, bits: int, edges, launch: TritonLaunch = TritonLaunch()) -> None:
     """Accumulate the certified histograms (zeroed by ``exact_part``).
 
     Args:
         index: grid tensors ``lo``/``scale``/``radius`` ``[num_pages, H_kv, D]`` and ``codes``
             ``[num_slots, H_kv, D * bits // 8]`` uint8.
         ref: ``[B, H_q]`` fp32 from ``exact_part``.
-        hist, habs: ``[B, H_q, 259]`` fp64: signed mass per edge bin and its absolute terms.
+        hist, habs: ``[B, H_q, edges.count + 2]`` fp64: signed mass per edge bin and its absolute terms.
+        edges: the threshold edges (``contract.ThresholdEdges``).
     Other arguments as in ``exact_part``.
     """
     batch, heads, dim = q.shape
@@ -411,20 +441,20 @@ def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma:
     _certified_hist_kernel[grid](
         q, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"], ref, hist, habs,
         q.stride(0), q.stride(1), page_table.stride(0), lo.stride(0), lo.stride(1),
-        index["codes"].stride(0), index["codes"].stride(1), float(sigma),
-        P=page_size, D=dim, G=groups, BG=block_g(groups, launch), BITS=bits,
-        SINK=sink_pages, RECENT=recent_pages, SPLIT=launch.pages_per_split, num_warps=launch.hist_warps,
+        index["codes"].stride(0), index["codes"].stride(1), float(sigma), int(min_sparse), **layout,
+        D=dim, G=groups, BG=block_g(groups, launch), BITS=bits, SPLIT=launch.pages_per_split, **edge_args(edges),
+        num_warps=launch.hist_warps,
     )
 
 
 def certified_threshold(hist, habs, ref, z_lb, threshold, certificate, sigma: float, eps_budget: float,
-                        rounding: float, h_kv: int, launch: TritonLaunch = TritonLaunch()) -> None:
-    """Certified T per head from the histograms.
+                        rounding: float, h_kv: int, edges, launch: TritonLaunch = TritonLaunch()) -> None:
+    """Certified T per head from the histograms (``threshold.certified_choice``'s rule).
 
     Args:
-        hist, habs: ``[B, H_q, 259]`` fp64 from ``certified_hist``; ref ``[B, H_q]`` fp32; z_lb
-            ``[B, H_q]`` fp64. threshold: ``[B, H_q]`` fp32 out (−inf where no edge fits);
-            certificate: ``[B, H_q]`` fp64 out: the certified dropped mass relative to ref.
+        hist, habs: ``[B, H_q, edges.count + 2]`` fp64 from ``certified_hist``; ref ``[B, H_q]``
+            fp32; z_lb ``[B, H_q]`` fp64. threshold: ``[B, H_q]`` fp32 out (−inf where no edge
+            fits); certificate: ``[B, H_q]`` fp64 out: the certified dropped mass relative to ref.
         eps_budget: eps times the fp64 safety factor; rounding: relative bound on the
             histograms' fp64 rounding (added as rounding · Σ|terms|).
     """
@@ -432,20 +462,21 @@ def certified_threshold(hist, habs, ref, z_lb, threshold, certificate, sigma: fl
     groups = heads // h_kv
     _certified_threshold_kernel[(batch, h_kv)](
         hist, habs, ref, z_lb, threshold, certificate, float(sigma), float(eps_budget), float(rounding),
-        G=groups, BG=block_g(groups, launch), num_warps=launch.hist_warps,
+        G=groups, BG=block_g(groups, launch), **edge_args(edges, with_margin=True), num_warps=launch.hist_warps,
     )
 
 
 def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, ref, m, l, o, counts,
-           mass, sigma: float, page_size: int, bits: int, sink_pages: int, recent_pages: int,
-           gate: bool, launch: TritonLaunch = TritonLaunch(), attended=None) -> None:
+           mass, sigma: float, layout: dict, min_sparse: int, bits: int, gate: bool, gate_rel: float,
+           launch: TritonLaunch = TritonLaunch(), attended=None, fallback=None) -> None:
     """Fused filter and sparse split-K attention.
 
     Args:
-        q, k_cache, page_table, seq_lens, index: as in ``exact_part`` / ``certified_hist``;
-            v_cache ``[num_slots, H_kv, D_v]``.
+        q, k_cache, page_table, seq_lens, index, layout, min_sparse: as in ``exact_part`` /
+            ``certified_hist``; v_cache ``[num_slots, H_kv, D_v]``.
         threshold, ref: ``[B, H_q]`` fp32: T (keys whose bound reaches it are candidates) and ref.
-        gate: candidates scoring clearly below T skip their V read (budget and fixed policies).
+        gate: candidates scoring below T − gate_rel·(|T| + 1) skip their V read (budget and
+            fixed policies; ``contract.ValueGate``).
         m, l: ``[B, H_kv, S, BG]`` fp32 out: running max (σ·score units) and softmax sum per split.
         o: ``[B, H_kv, S, BG, D_v]`` fp32 out: unnormalised output per split.
         counts: ``[B, H_kv, S, 5, BG]`` int32 out: attended keys, skipped pages and pages whose
@@ -453,6 +484,8 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
         mass: ``[B, H_kv, S, 2, BG]`` fp32 out: index-dropped and value-gated mass relative to ref.
         attended: optional ``[B, H_q, W * P]`` int8 out (callers zero it): 1 for every token
             position attended (for tests and audits; the fast path leaves it None).
+        fallback: optional ``[B]`` bool: the dense-fallback pass, which recomputes m, l, o of the
+            flagged requests densely (T = −inf, no gate) and writes nothing else.
     S = ``num_splits(page_table.shape[1], launch)``; BG = ``block_g(H_q // H_kv, launch)``.
     """
     batch, heads, dim = q.shape
@@ -464,12 +497,13 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
     _attend_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"],
         threshold, ref, m, l, o, counts, mass, attended if attended is not None else counts,
+        fallback if fallback is not None else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0), index["codes"].stride(1),
-        attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split,
-        P=page_size, D=dim, DV=d_v, G=groups, BG=block_g(groups, launch), BITS=bits,
-        SINK=sink_pages, RECENT=recent_pages, QHI=kv, PV=kv, GATE=gate, KEEP_OUT=attended is not None,
-        num_warps=launch.attend_warps, num_stages=launch.attend_stages,
+        attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split, int(min_sparse),
+        **layout, D=dim, DV=d_v, G=groups, BG=block_g(groups, launch), BITS=bits, QHI=kv, PV=kv,
+        GATE=gate and fallback is None, GATE_REL=float(gate_rel), KEEP_OUT=attended is not None,
+        FALLBACK_PASS=fallback is not None, num_warps=launch.attend_warps, num_stages=launch.attend_stages,
     )
 
 

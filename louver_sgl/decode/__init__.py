@@ -1,5 +1,12 @@
-"""The batched decode step: planning, filtering, sparse attention, and its reference."""
+"""The batched decode step: one API (``LouverDecode``: plan, then run) over registered
+implementations, the shared contract, and the reference specification."""
 
-from .step import StepStats, dense_attention, louver_decode
+from .api import (
+    LouverDecode, available_implementations, implementation_names, louver_decode, register_implementation,
+)
+from .contract import DecodeImplementation, HeadShapes, RequestLayout, StepStats
+from .step import dense_attention
 
-__all__ = ["StepStats", "dense_attention", "louver_decode"]
+__all__ = ["DecodeImplementation", "HeadShapes", "LouverDecode", "RequestLayout", "StepStats",
+           "available_implementations", "dense_attention", "implementation_names", "louver_decode",
+           "register_implementation"]

@@ -86,34 +86,34 @@ def run_filter(
 
 
 def certified_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig) -> FilterResult:
-    """Certified T and filter from page bounds ``[NP, H_q]`` and token bounds ``[NP, P, H_q]``."""
-    batch = ref.shape[0]
+    """Certified T and filter from page bounds ``[NP, H_q]`` and token bounds ``[NP, P, H_q]``.
+
+    T and the certificate come from ``threshold.certified_choice`` (the rule every implementation
+    follows); the certificate is the index-dropped mass (no recount)."""
+    t, certificate, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, config.eps * th.BUDGET_SAFETY,
+                                               th.HIST_ROUNDING)
     tok = torch.minimum(tok, pb[:, None, :])
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
-    budget = config.eps * z_lb * th.BUDGET_SAFETY
-    t = th.edge_threshold(th.pick_edge(_certified_mass(x_page, x_tok, page_req, batch), budget), ref, sigma)
-    return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), budget)
+    return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), certificate)
 
 
-def _apply(t, pb, x_page, tok, x_tok, page_req, rows, budget) -> FilterResult:
-    """Keep pages and tokens whose bound reaches T; account the dropped mass exactly.
+def _apply(t, pb, x_page, tok, x_tok, page_req, rows, certificate=None) -> FilterResult:
+    """Keep pages and tokens whose bound reaches T and account the dropped mass: exactly, or as
+    the certified rule's ``certificate`` ``[B, H_q]`` (which bounds it).
 
-    ``tok``/``x_tok`` cover the plan's page rows ``rows``. With a certified ``budget``, a head whose
-    recounted certificate does not fit (possible only through fp64 cancellation in the histogram)
-    keeps everything instead.
+    ``tok``/``x_tok`` cover the plan's page rows ``rows``.
     """
     batch, size = t.shape[0], tok.shape[1]
     keep_page = keep_at_least(pb, t[page_req])
     in_page = keep_page[rows][:, None, :].expand_as(tok)
     keep = in_page & keep_at_least(tok, t[page_req[rows]][:, None, :])
     page_mass = _page_mass(x_page, keep_page, page_req, batch, size)
-    dropped_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (in_page & ~keep)
-    dropped = page_mass + seg_sum(dropped_tok.sum(1), page_req[rows], batch)
-    if budget is not None and bool((dropped > budget).any()):
-        bad = dropped > budget
-        t = torch.where(bad, torch.full_like(t, float("-inf")), t)
-        return _apply(t, pb, x_page, tok, x_tok, page_req, rows, None)
+    if certificate is None:
+        dropped_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (in_page & ~keep)
+        dropped = page_mass + seg_sum(dropped_tok.sum(1), page_req[rows], batch)
+    else:
+        dropped = certificate
     skipped = seg_sum((~keep_page).long(), page_req, batch)
     surviving = rows[keep_page[rows].any(dim=1)]
     keep = keep[keep_page[rows].any(dim=1)]
@@ -123,24 +123,3 @@ def _apply(t, pb, x_page, tok, x_tok, page_req, rows, budget) -> FilterResult:
 def _page_mass(x_page, keep_page, page_req, batch, size) -> torch.Tensor:
     mass = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0) * ~keep_page
     return seg_sum(mass, page_req, batch)
-
-
-def _certified_mass(x_page, x_tok, page_req, batch) -> torch.Tensor:
-    """Mass dropped at each edge ``[B, H_q, EDGE_COUNT]`` when pages and tokens share one T.
-
-    At edge j a page with x_page < e_j is dropped whole (mass P·e^{x_page}); otherwise its tokens
-    with x_tok < e_j are dropped. With bins b = #edges <= x, a page counts for j >= b_page and a
-    token for b_tok <= j < b_page: one histogram with a +/− pair per token, then a cumulative sum.
-    """
-    n, size, heads = x_tok.shape
-    b_page = th.edge_bins(x_page)  # [NP, H]
-    b_tok = th.edge_bins(x_tok)  # [NP, P, H]
-    mass_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (b_tok < b_page[:, None, :])
-    mass_page = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0)
-    width = th.EDGE_COUNT + 2
-    seg = (page_req[:, None] * heads + torch.arange(heads)) * width  # [NP, H]
-    hist = torch.zeros(batch * heads * width, dtype=torch.float64)
-    hist.index_add_(0, (seg + b_page).reshape(-1), mass_page.reshape(-1))
-    hist.index_add_(0, (seg[:, None, :] + b_tok).reshape(-1), mass_tok.reshape(-1))
-    hist.index_add_(0, (seg[:, None, :] + b_page[:, None, :]).expand_as(b_tok).reshape(-1), -mass_tok.reshape(-1))
-    return hist.view(batch, heads, width).cumsum(-1)[..., : th.EDGE_COUNT]

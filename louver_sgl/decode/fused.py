@@ -1,18 +1,22 @@
-"""Decode step with the compiled CPU kernels for the grid family (same contract as the torch path).
+"""The ``cpu`` decode implementation: the compiled CPU kernels for the grid family.
 
 The compiled attend pass does, per (request, chunk of pages) task and for every KV head, the page
 bounds, token bounds, the GQA-union candidate gate, exact scores from candidate keys, the value
 gate, an online softmax and the dropped-mass accounting; the chunks' partial softmax states are
 then merged with the dense part. A step runs all of it (exact part and T included), the step
-statistics and the output conversion as one call, ``LayerStep.run`` (``fused_step`` +
-``step_stats``) over a layer side made once per layer (``CompiledLayer``) and a plan side made once
-per forward pass (``StepPlan``). Certified steps choose T between the exact part and the attend
-pass by one compiled pass over every page's codes (``certified_threshold``: the histogram of all
-token bounds, the int8 ones the attend pass gates with). Every compiled phase has its torch
+statistics and the output conversion as one call, ``LayerStep.run``, over a layer side made once
+per layer (``CompiledLayer``) and a plan side made once per forward pass (``StepPlan``). Certified
+steps choose T between the exact part and the attend pass by one compiled pass over every page's
+codes (``certified_threshold``: the histogram of all token bounds, the int8 ones the attend pass
+gates with; the rule is ``threshold.certified_choice``). Every compiled phase has its torch
 specification here or in step.py / threshold.py.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -20,9 +24,118 @@ from ..config import LouverConfig
 from ..index.grid import unpack_codes
 from ..index.store import PageIndexStore
 from . import threshold as th
-from .plan import DecodePlan
+from .contract import (
+    EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values,
+)
+from .plan import plan_decode
 from .segments import seg_sum
-from .step import ExactPart, StepStats, gates_values
+
+
+@dataclass(frozen=True)
+class CpuLaunch:
+    """Launch parameters of the compiled CPU step (profile values; ``louver-tune`` searches them).
+
+    chunk_pages: most pages one task of the attend pass takes (split-K granularity).
+    """
+
+    chunk_pages: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be a positive int, got {self.chunk_pages!r}")
+
+    @classmethod
+    def of(cls, launch: "CpuLaunch | Mapping[str, Any] | None") -> "CpuLaunch":
+        if launch is None:
+            return cls()
+        if isinstance(launch, cls):
+            return launch
+        known = {"chunk_pages"}
+        unknown = sorted(set(launch) - known)
+        if unknown:
+            raise ValueError(f"unknown CPU launch parameters {unknown}; known: {sorted(known)}")
+        return cls(**dict(launch))
+
+
+@functools.cache
+def compiled_ops():
+    """The compiled CPU module, or None where it does not build here (resolved once)."""
+    from louver_kernels.cpu_ops import cpu_ops_available, load_cpu_ops
+
+    return load_cpu_ops() if cpu_ops_available() else None
+
+
+class CpuDecode(DecodeImplementation):
+    """The compiled CPU kernels (grid family, CPU tensors): one compiled call per layer and step."""
+
+    name = "cpu"
+
+    def __init__(self, config, device, launch, shapes, capacity) -> None:
+        super().__init__(config, device, launch, shapes, capacity)
+        self.launch = CpuLaunch.of(launch)
+        self.ops = compiled_ops()
+        # compiled layer sides by (id(k_cache), id(v_cache), id(store), sigma); each keeps its
+        # tensors alive, so the ids stay theirs while the entry lives
+        self.layers: dict[tuple, CompiledLayer] = {}
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return "it runs on CPU tensors"
+        return None if compiled_ops() is not None else "the compiled CPU kernels did not build or load (see the log)"
+
+    @classmethod
+    def check_config(cls, config: LouverConfig, device: torch.device) -> None:
+        if config.family != "grid":
+            cls.reject("family", config.family, "the compiled kernels read grid codes; use impl='torch'")
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
+        self.capacity.check(page_table.shape[0], page_table.shape[1])
+        plan = plan_decode(page_table, seq_lens, self.config)
+        if self.shapes is not None:  # the plan side now, so that run allocates nothing
+            self._plan_side(plan, self.shapes.num_q_heads, self.shapes.num_kv_heads, self.shapes.head_dim,
+                            self.shapes.head_dim_v)
+        return plan
+
+    def run(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+        layer = self.layers.get((id(k_cache), id(v_cache), id(store), sigma))
+        if layer is None:
+            layer = self._layer(plan, q, k_cache, v_cache, store, sigma)
+        side = plan.derived.get(layer.plan_key)
+        if side is None:
+            side = self._plan_side(plan, q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
+        out, step_stats = layer.run(q, plan, side, out)
+        return out, step_stats, None
+
+    def _layer(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float) -> "CompiledLayer":
+        """The layer side of a layer's first step (its inputs checked here; later steps only by the kernel)."""
+        check_inputs(q, k_cache, v_cache, store, self.config)
+        if store.config.family != "grid":
+            raise ValueError("the 'cpu' decode implementation reads grid-family stores")
+        if plan.page_size != self.config.page_size:
+            raise ValueError(f"plan is for page size {plan.page_size}, the step for {self.config.page_size}")
+        if len(self.layers) >= MAX_COMPILED_LAYERS:  # entries keep their KV caches alive
+            self.layers.clear()
+        key = self._plan_key(q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
+        layer = CompiledLayer(self.ops, k_cache, v_cache, store, sigma, self.config, key)
+        self.layers[(id(k_cache), id(v_cache), id(store), sigma)] = layer
+        return layer
+
+    def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
+        return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
+                self.config.sample_size)
+
+    def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
+        """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
+        key = self._plan_key(heads, h_kv, dim, d_v)
+
+        def make():
+            chunks = page_chunks(plan, self.launch.chunk_pages)
+            part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
+                            self.config.sample_size)
+            return _step_plan(self.ops, plan, chunks, part, dim)
+
+        return plan.cached(key, make)
 
 
 def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,39 +170,19 @@ def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch
 GUIDED_SHARE = 2
 
 
-def run_decode_fused(q, k_cache, v_cache, plan: DecodePlan, store: PageIndexStore, sigma: float,
-                     config: LouverConfig, ops, chunk_pages: int, out=None, cache_key=None):
-    """Fused-kernel version of ``run_decode`` (grid family, CPU tensors).
-
-    One compiled call (``CompiledLayer.run``); with ``cache_key`` its layer side is kept in
-    ``store.compiled_steps`` for ``louver_decode``'s fast path. The task list and the output
-    buffers come from the plan (made once per forward pass, reused by every layer): at batch 1 the
-    step's own host work is a large share of its time.
-    """
-    batch, heads, dim = q.shape
-    h_kv, d_v = store.num_kv_heads, v_cache.shape[-1]
-    threads = torch.get_num_threads()
-    chunk_req, begin, end = plan.cached(("cpu_chunks", chunk_pages, threads), lambda: page_chunks(plan, chunk_pages))
-    part = plan.cached(("cpu_outputs", chunk_pages, threads, heads, h_kv, d_v, config.sample_size),
-                       lambda: _Outputs(batch, heads, h_kv, d_v, len(chunk_req), len(plan.dense_slots),
-                                        config.sample_size))
-    plan_key = ("cpu_step", config.page_size, chunk_pages, threads, heads, h_kv, dim, d_v, config.sample_size)
-    cpu = plan.cached(plan_key, lambda: _step_plan(ops, plan, (chunk_req, begin, end), part, dim))
-    compiled = CompiledLayer(ops, k_cache, v_cache, store, sigma, config, plan_key)
-    if cache_key is not None:
-        steps = store.compiled_steps
-        if len(steps) >= MAX_COMPILED_STEPS:  # entries keep their KV caches alive
-            steps.clear()
-        steps[cache_key] = compiled
-    return compiled.run(q, plan, cpu, out)
-
-
-def _dense_layer(ops, k_cache, v_cache, store: PageIndexStore, sigma: float):
-    """The dense policy's ``LayerStep`` over a layer's caches and index (T = −inf: every key is a
-    candidate and attended), for the requests of a step that fall back to dense."""
+def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig):
+    """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index."""
+    t_static = th.static_threshold_value(config)
+    certified = config.policy == "certified"
     meta = store.tensors
-    return ops.LayerStep(k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
-                         -1.0, float("-inf"), False, store.config.grid_bits, store.page_size, 1.0, -1.0, 0.0)
+    return ops.LayerStep(
+        k_cache=k_cache, v_cache=v_cache, lo=meta["lo"], scale=meta["scale"], radius=meta["radius"],
+        codes=meta["codes"], sigma=float(sigma), budget=float(config.budget if config.policy == "budget" else -1.0),
+        t_fixed=0.0 if t_static is None else t_static, value_gate=gates_values(config), gate_rel=VALUE_GATE.rel,
+        bits=store.config.grid_bits, page_size=store.page_size,
+        fallback_fraction=float(config.dense_fallback_fraction),
+        eps_budget=config.eps * th.BUDGET_SAFETY if certified else -1.0, rounding=th.HIST_ROUNDING,
+        **EDGES.kernel_args())
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor) -> None:
@@ -102,33 +195,28 @@ def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Ten
     out[rows] = dense_out[rows]
 
 
-# Compiled layer steps one index store keeps (each keeps its KV caches alive; a server has one
-# per layer and store).
-MAX_COMPILED_STEPS = 16
+# Compiled layer sides one implementation keeps (each keeps its KV caches alive; a server has one
+# per layer).
+MAX_COMPILED_LAYERS = 256
 
 
 class CompiledLayer:
     """One layer's compiled one-call step: the layer side (``ops.LayerStep``: KV caches, index,
     policy scalars; and the dense policy's for fallbacks) and the key of the plan side it runs on
-    (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``louver_decode`` keeps it in
-    the store so that later steps skip straight to ``run``."""
+    (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``CpuDecode`` keeps it so that
+    later steps skip straight to ``run``."""
 
-    __slots__ = ("layer", "dense_layer", "plan_key", "k_cache", "v_cache", "sigma", "config")
+    __slots__ = ("layer", "dense_layer", "plan_key", "k_cache", "v_cache", "store", "sigma")
 
     def __init__(self, ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
                  plan_key: tuple):
-        t_static = th.static_threshold_value(config)
-        certified = config.policy == "certified"
-        meta = store.tensors
-        self.layer = ops.LayerStep(
-            k_cache, v_cache, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(sigma),
-            float(config.budget if config.policy == "budget" else -1.0), 0.0 if t_static is None else t_static,
-            gates_values(config), store.config.grid_bits, store.page_size, float(config.dense_fallback_fraction),
-            config.eps * th.BUDGET_SAFETY if certified else -1.0, th.HIST_ROUNDING)
-        self.dense_layer = _dense_layer(ops, k_cache, v_cache, store, sigma)
-        # the caches and the config stay referenced: the store's key holds their id()s, which must
-        # not be reused while the entry lives
-        self.plan_key, self.k_cache, self.v_cache, self.sigma, self.config = plan_key, k_cache, v_cache, sigma, config
+        self.layer = _layer_step(ops, k_cache, v_cache, store, sigma, config)
+        # the dense policy's step (T = −inf: every key a candidate and attended) for fallbacks
+        dense = config.with_(policy="dense", dense_fallback_fraction=1.0)
+        self.dense_layer = _layer_step(ops, k_cache, v_cache, store, sigma, dense)
+        # the caches and the store stay referenced: the implementation's key holds their id()s,
+        # which must not be reused while the entry lives
+        self.plan_key, self.k_cache, self.v_cache, self.store, self.sigma = plan_key, k_cache, v_cache, store, sigma
 
     def run(self, q, plan: DecodePlan, cpu: tuple, out=None):
         """One step: ``(out [B, H_q, D_v] in q's dtype, StepStats)``; ``cpu`` is
@@ -144,11 +232,11 @@ def _step_plan(ops, plan: DecodePlan, chunks: tuple, part: "_Outputs", dim: int)
     """The plan side of ``CompiledLayer.run``: (part, q32 ``[B, H_q, D]`` fp32, ``ops.StepPlan``)."""
     batch, heads = part.ref.shape
     q32 = torch.empty(batch, heads, dim)
+    chunk_req, chunk_begin, chunk_end = chunks
     step_plan = ops.StepPlan(
-        [plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids, *chunks,
-         plan.num_indexed, plan.page_req],
-        [q32, *part.exact, part.t, part.gate, *part.attend, part.result, *part.totals, part.z_lb, part.hist,
-         part.habs, part.certificate])
+        dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
+        sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunk_req, chunk_begin=chunk_begin,
+        chunk_end=chunk_end, num_indexed=plan.num_indexed, page_req=plan.page_req, q32=q32, **part.named())
     return part, q32, step_plan
 
 
@@ -158,19 +246,22 @@ def step_stats_reference(t, z, per_head, per_req, masses, index_dropped, num_ind
     counts) as new tensors (shapes in the op's comment) and whether any request falls back to
     dense. The bound is (index-dropped + value-gated mass) / Z with Z
     the larger of the exact part's lower bound and the dense part plus every union candidate;
-    requests over the fallback fraction attend densely (bound 0, every indexed key a candidate)."""
+    requests over the fallback fraction attend densely (bound 0, every indexed key a candidate,
+    every V row read)."""
     fallback = per_req[:, 0] > fallback_fraction * (num_indexed * h_kv).clamp(min=1)
     z_final = torch.maximum(z[..., 0] + z[..., 1], z[..., 0] + masses[..., 2])
     dropped = index_dropped if index_dropped.numel() else masses[..., 0]
     bound = torch.where(fallback[:, None], 0.0, (dropped + masses[..., 1]) / z_final)
     candidates = torch.where(fallback[:, None], num_indexed[:, None], per_head[..., 0])
-    fields = (t.clone(), candidates, per_head[..., 1].clone(), bound, fallback, per_req.clone())
+    counts = per_req.clone()
+    counts[:, 1] = torch.where(fallback, num_indexed * h_kv, per_req[:, 1])  # dense reads every V row
+    fields = (t.clone(), candidates, per_head[..., 1].clone(), bound, fallback, counts)
     return fields, bool(fallback.any())
 
 
 class _Outputs:
-    """The compiled step's output buffers (made once per plan, see ``run_decode_fused``; shapes in
-    the op comments)."""
+    """The compiled step's output buffers (made once per plan, see ``CpuDecode``; shapes in the op
+    comments)."""
 
     def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size):
         groups = heads // h_kv
@@ -186,21 +277,25 @@ class _Outputs:
         self.counts = torch.empty(n_chunks, h_kv, 2 * groups + 3, dtype=torch.long)
         self.mass = torch.empty(n_chunks, h_kv, groups, 3, dtype=torch.float64)
         self.result = torch.empty(batch, heads, d_v)
-        self.totals = (torch.empty(batch, heads, 2, dtype=torch.long), torch.empty(batch, 3, dtype=torch.long),
-                       torch.empty(batch, heads, 3, dtype=torch.float64))
-        width = th.EDGE_COUNT + 2
+        self.per_head = torch.empty(batch, heads, 2, dtype=torch.long)
+        self.per_req = torch.empty(batch, 3, dtype=torch.long)
+        self.masses = torch.empty(batch, heads, 3, dtype=torch.float64)
+        width = EDGES.hist_width
         self.hist = torch.empty(batch, heads, width, dtype=torch.float64)
         self.habs = torch.empty(batch, heads, width, dtype=torch.float64)
         self.certificate = torch.empty(batch, heads, dtype=torch.float64)
         self.z_lb = torch.empty(batch, heads, dtype=torch.float64)
 
-    @property
-    def exact(self):
-        return self.s_dense, self.sample, self.ref, self.z
+    NAMES = ("s_dense", "sample", "ref", "z", "t", "gate", "m", "l", "o", "counts", "mass", "result", "per_head",
+             "per_req", "masses", "z_lb", "hist", "habs", "certificate")
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The buffers by the names the compiled ops take them."""
+        return {name: getattr(self, name) for name in self.NAMES}
 
     @property
-    def attend(self):
-        return self.m, self.l, self.o, self.counts, self.mass
+    def totals(self):
+        return self.per_head, self.per_req, self.masses
 
     def exact_part(self, plan: DecodePlan) -> ExactPart:
         z = self.z
@@ -208,8 +303,9 @@ class _Outputs:
 
 
 def _exact(ops, q32, k_cache, plan: DecodePlan, sigma: float, part: _Outputs, budget: float) -> ExactPart:
-    ops.exact_part(q32, k_cache, plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req,
-                   float(sigma), float(budget), *part.exact, part.t)
+    ops.exact_part(q=q32, k_cache=k_cache, dense_slots=plan.dense_slots, dense_req=plan.dense_req,
+                   sample_slots=plan.sample_slots, sample_req=plan.sample_req, sigma=float(sigma),
+                   budget=float(budget), s_dense=part.s_dense, sample=part.sample, ref=part.ref, z=part.z, t=part.t)
     return part.exact_part(plan)
 
 
@@ -257,38 +353,6 @@ def int8_token_bounds_reference(weights, offset, codes, bits):
     slack = torch.where(torch.isfinite(top[..., 0]), slack, float("nan"))
     dots = torch.einsum("npkd,nkgd->npkg", unpack_codes(codes, bits).long(), wq.long())
     return (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
-
-
-def certified_threshold_reference(pb, tok, page_req, ref, z_lb, sigma: float, eps_budget: float,
-                                  rounding: float):
-    """The specification of the compiled ``certified_threshold`` given its bounds: page bounds
-    ``[NP, H_q]`` and token bounds ``[NP, P, H_q]`` fp32 -> (T ``[B, H_q]`` fp32, certificate
-    ``[B, H_q]`` fp64, hist and habs ``[B, H_q, EDGE_COUNT + 2]`` fp64).
-
-    hist is ``filter._certified_mass``'s histogram (pages whole at their bin, tokens below their
-    page's bin at theirs, minus the same at the page's); habs sums the absolute terms. The mass
-    dropped at edge j is bounded by cumsum(hist)[j] + rounding·cumsum(habs)[j] (fp64 rounding of
-    the sums in any order); T is the largest edge whose bound fits eps_budget·Z_lb.
-    """
-    batch, heads = ref.shape
-    size = tok.shape[1]
-    tok = torch.minimum(tok, pb[:, None, :])
-    x_page, x_tok = th.log_mass(pb, ref[page_req], sigma), th.log_mass(tok, ref[page_req][:, None, :], sigma)
-    b_page, b_tok = th.edge_bins(x_page), th.edge_bins(x_tok)
-    mass_page = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0)
-    mass_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (b_tok < b_page[:, None, :])
-    width = th.EDGE_COUNT + 2
-    seg = (page_req[:, None] * heads + torch.arange(heads)) * width
-    parts = []
-    for index, mass in (((seg + b_page), mass_page), ((seg[:, None, :] + b_tok), mass_tok),
-                        ((seg + b_page), mass_tok.sum(1))):
-        parts.append(torch.zeros(batch * heads * width, dtype=torch.float64).index_add_(
-            0, index.reshape(-1), mass.reshape(-1)).view(batch, heads, width))
-    hist, habs = parts[0] + parts[1] - parts[2], parts[0] + parts[1] + parts[2]
-    bound = (hist.cumsum(-1) + rounding * habs.cumsum(-1))[..., : th.EDGE_COUNT]
-    edge = th.pick_edge(bound, eps_budget * z_lb)
-    cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
-    return th.edge_threshold(edge, ref, sigma), cert, hist, habs
 
 
 def merge_reference(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:

@@ -1,43 +1,48 @@
-"""The louver decode step on CUDA devices: Triton kernels, caller-owned buffers, no host sync.
+"""The ``triton`` decode implementation: Triton kernels, caller-owned buffers, no host sync.
 
 Launches: ``exact_part`` (ref, Z_lb, the sample, and the budget policy's T) -> for the certified
 policy ``certified_hist`` and ``certified_threshold`` -> ``attend`` (fused filter and sparse
-split-K attention) -> ``merge`` (splits into the output). Statistics are computed only when asked
-for. Nothing reads a device value on the host and every buffer comes from a ``GpuWorkspace``
-allocated once, so the step can be captured in a CUDA graph for a fixed batch size and page-table
-width.
+split-K attention) -> with a dense fallback fraction below 1 the fallback flags and the fallback
+pass (the flagged requests' splits recomputed densely) -> ``merge`` (splits into the output).
+Statistics are computed only when asked for. Nothing reads a device value on the host and every
+buffer comes from a ``GpuWorkspace`` allocated once, so the step can be captured in a CUDA graph
+for a fixed batch size and page-table width.
 
 There are no candidate lists: each split gates its pages' tokens and attends the survivors in the
-same pass, so no list has a capacity to overflow and no dense fallback is needed for correctness
-(``dense_fallback_fraction`` is a CPU-path setting). The certificate is the histogram's own sum
-plus a bound on its fp64 rounding, so no recount pass is needed either.
+same pass, so no list has a capacity to overflow. The certificate is the histogram's own sum
+plus a bound on its fp64 rounding (``threshold.certified_choice``), with no recount pass.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from louver_kernels.triton import grid_decode as kern
-from louver_kernels.triton.launch import TritonLaunch
-
 from ..config import LouverConfig
-from ..index.store import PageIndexStore
-from . import threshold as th
-from .step import StepStats, gates_values
+from .contract import (
+    BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, HeadShapes, RequestLayout,
+    StepStats, gates_values,
+)
+
+from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
+from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
+
 
 @dataclass
 class GpuWorkspace:
     """Address-stable buffers of the GPU step for up to ``max_batch`` requests whose page tables
     are ``max_pages`` wide. ``view(batch)`` returns leading slices (same storage)."""
 
+    page_table: torch.Tensor  # [Bmax, W] int32: the plan's page table
+    seq_lens: torch.Tensor  # [Bmax] int32: the plan's lengths
     ref: torch.Tensor  # [Bmax, H_q] fp32
     z_lb: torch.Tensor  # [Bmax, H_q] fp64
     sample: torch.Tensor  # [Bmax, H_q, M] fp32
-    hist: torch.Tensor  # [Bmax, H_q, 259] fp64
-    habs: torch.Tensor  # [Bmax, H_q, 259] fp64
+    hist: torch.Tensor  # [Bmax, H_q, edges + 2] fp64
+    habs: torch.Tensor  # [Bmax, H_q, edges + 2] fp64
     threshold: torch.Tensor  # [Bmax, H_q] fp32
     certificate: torch.Tensor  # [Bmax, H_q] fp64
     z_att: torch.Tensor  # [Bmax, H_q] fp64
@@ -46,29 +51,34 @@ class GpuWorkspace:
     o: torch.Tensor  # [Bmax, H_kv, S, BG, D_v] fp32
     counts: torch.Tensor  # [Bmax, H_kv, S, 5, BG] int32
     mass: torch.Tensor  # [Bmax, H_kv, S, 2, BG] fp32
+    union: torch.Tensor  # [Bmax] int64: union candidates (the fallback decision)
+    fallback: torch.Tensor  # [Bmax] bool: requests over the dense-fallback fraction
     max_pages: int
 
     @classmethod
-    def allocate(cls, max_batch: int, max_pages: int, heads_q: int, heads_kv: int, head_dim_v: int,
-                 config: LouverConfig, launch: TritonLaunch, device) -> "GpuWorkspace":
-        if heads_q % heads_kv:
-            raise ValueError(f"H_q ({heads_q}) must be a multiple of H_kv ({heads_kv})")
+    def allocate(cls, max_batch: int, max_pages: int, shapes: HeadShapes, config: LouverConfig,
+                 launch: TritonLaunch, device) -> "GpuWorkspace":
+        heads_q, heads_kv = shapes.num_q_heads, shapes.num_kv_heads
         bg = kern.block_g(heads_q // heads_kv, launch)
         splits = kern.num_splits(max_pages, launch)
         f32 = dict(dtype=torch.float32, device=device)
         f64 = dict(dtype=torch.float64, device=device)
         state = (max_batch, heads_kv, splits, bg)
         return cls(
+            page_table=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
             ref=torch.empty(max_batch, heads_q, **f32), z_lb=torch.empty(max_batch, heads_q, **f64),
             sample=torch.empty(max_batch, heads_q, config.sample_size, **f32),
-            hist=torch.zeros(max_batch, heads_q, th.EDGE_COUNT + 2, **f64),
-            habs=torch.zeros(max_batch, heads_q, th.EDGE_COUNT + 2, **f64),
+            hist=torch.zeros(max_batch, heads_q, EDGES.hist_width, **f64),
+            habs=torch.zeros(max_batch, heads_q, EDGES.hist_width, **f64),
             threshold=torch.empty(max_batch, heads_q, **f32), certificate=torch.zeros(max_batch, heads_q, **f64),
             z_att=torch.empty(max_batch, heads_q, **f64),
             m=torch.empty(state, **f32), l=torch.empty(state, **f32),
-            o=torch.empty(*state, head_dim_v, **f32),
+            o=torch.empty(*state, shapes.head_dim_v, **f32),
             counts=torch.empty(max_batch, heads_kv, splits, 5, bg, dtype=torch.int32, device=device),
             mass=torch.empty(max_batch, heads_kv, splits, 2, bg, **f32),
+            union=torch.zeros(max_batch, dtype=torch.int64, device=device),
+            fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
             max_pages=max_pages,
         )
 
@@ -78,79 +88,150 @@ class GpuWorkspace:
         fields = {k: v[:batch] for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
         return GpuWorkspace(**fields, max_pages=self.max_pages)
 
+    @property
+    def max_batch(self) -> int:
+        return self.ref.shape[0]
 
-def louver_decode_gpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    store: PageIndexStore,
-    sigma: float,
-    config: LouverConfig | None = None,
-    launch: TritonLaunch = TritonLaunch(),
-    workspace: GpuWorkspace | None = None,
-    out: torch.Tensor | None = None,
-    attended: torch.Tensor | None = None,
-    with_stats: bool = True,
-) -> tuple[torch.Tensor, StepStats | None]:
-    """One decode step on the GPU (grid family).
+    def fits(self, shapes: HeadShapes, config: LouverConfig) -> bool:
+        return (self.ref.shape[1] == shapes.num_q_heads and self.m.shape[1] == shapes.num_kv_heads
+                and self.o.shape[-1] == shapes.head_dim_v and self.sample.shape[-1] == config.sample_size)
 
-    Args:
-        q: ``[B, H_q, D]`` fp16/bf16/fp32 queries. k_cache, v_cache: ``[num_slots, H_kv, D]`` /
-            ``[num_slots, H_kv, D_v]`` paged KV buffers (fp16/bf16/fp32).
-        page_table: ``[B, W]`` int32/int64 page ids; seq_lens: ``[B]`` int32/int64 (>= 1, <= W·P).
-        store: the grid page index on the same device (every full indexed page built).
-        sigma: softmax scale. config: defaults to ``store.config``. launch: kernel launch parameters.
-        workspace: caller-owned buffers (allocated here when omitted: not graph-safe).
-        out: caller-owned ``[B, H_q, D_v]`` output (last dim contiguous).
-        attended: optional zeroed ``[B, H_q, W * P]`` int8 buffer that receives the attended mask
-            per token position (audits and tests).
-        with_stats: compute ``StepStats`` (a few extra device ops; serving asks only at log time).
 
-    Returns ``(out, StepStats or None)``; statistics stay on the device and ``pages_read`` counts
-    (page, KV head) pairs whose codes were read.
-    """
-    config = config or store.config
-    _check(q, k_cache, v_cache, page_table, store, config)
-    batch, heads, _ = q.shape
-    h_kv, d_v = k_cache.shape[1], v_cache.shape[2]
-    if workspace is None:
-        workspace = GpuWorkspace.allocate(batch, page_table.shape[1], heads, h_kv, d_v, config, launch, q.device)
-    if workspace.max_pages != page_table.shape[1]:
-        raise ValueError(f"workspace is for page tables {workspace.max_pages} wide, got {page_table.shape[1]}")
-    ws = workspace.view(batch)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    if out is None:
-        out = torch.empty((batch, heads, d_v), dtype=q.dtype, device=q.device)
-    layout = dict(page_size=config.page_size, sink_pages=config.sink_pages, recent_pages=config.recent_pages)
+@dataclass
+class TritonPlan:
+    """A planned batch: ``batch`` requests whose page table and lengths were copied into the
+    workspace (its ``view(batch)``), ``pages`` columns of the table in use."""
+
+    batch: int
+    pages: int
+    workspace: GpuWorkspace
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self.workspace.page_table
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.workspace.seq_lens
+
+
+class TritonDecode(DecodeImplementation):
+    """The Triton kernels (grid family, token-layout codes, head dims 64 and 128) on CUDA devices,
+    or on CPU tensors under ``TRITON_INTERPRET=1`` (tests). Graph-safe: with ``shapes`` and both
+    capacities given the workspace is allocated once, ``plan`` copies into it with device ops and
+    ``run`` neither allocates nor reads the device on the host."""
+
+    name = "triton"
+    returns_attended = True
+
+    def __init__(self, config, device, launch, shapes, capacity) -> None:
+        super().__init__(config, device, launch, shapes, capacity)
+        self.launch = launch if isinstance(launch, TritonLaunch) else TritonLaunch.from_dict(launch or {})
+        self.workspace: GpuWorkspace | None = None
+        if shapes is not None and capacity.max_batch is not None and capacity.max_pages is not None:
+            self.workspace = GpuWorkspace.allocate(capacity.max_batch, capacity.max_pages, shapes, config,
+                                                   self.launch, device)
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            return None
+        return "it needs a CUDA device (or CPU tensors under TRITON_INTERPRET=1, for tests)"
+
+    @classmethod
+    def check_config(cls, config: LouverConfig, device: torch.device) -> None:
+        if config.family != "grid":
+            cls.reject("family", config.family, "the Triton kernels read grid codes")
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
+        """Copy the batch into the workspace (device ops only: the copies are captured and replayed
+        with a decode graph). Shapes are checked, values are not (that would read the device)."""
+        if page_table.dim() != 2 or seq_lens.dim() != 1 or page_table.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"page_table must be [B, W] and seq_lens [B]; got {tuple(page_table.shape)}, "
+                             f"{tuple(seq_lens.shape)}")
+        batch, pages = page_table.shape
+        self.capacity.check(batch, pages)
+        ws = self.workspace
+        if ws is None or ws.max_batch < batch or ws.max_pages < pages:
+            if self.shapes is None:  # allocated at the first run, which knows the shapes
+                return TritonPlan(batch, pages, _Pending(page_table, seq_lens))
+            ws = self.workspace = GpuWorkspace.allocate(batch, pages, self.shapes, self.config, self.launch,
+                                                        self.device)
+        view = ws.view(batch)
+        view.page_table[:, :pages].copy_(page_table)
+        view.seq_lens.copy_(seq_lens)
+        return TritonPlan(batch, pages, view)
+
+    def run(self, plan: TritonPlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+        if isinstance(plan.workspace, _Pending):
+            plan = self._allocate_for(plan, q, k_cache, v_cache)
+        _check(q, k_cache, v_cache, plan, store, self.config)
+        batch, heads, _ = q.shape
+        if out is None:
+            out = torch.empty((batch, heads, v_cache.shape[2]), dtype=q.dtype, device=q.device)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        keep = None
+        if attended:
+            keep = torch.zeros(batch, heads, plan.workspace.page_table.shape[1] * self.config.page_size,
+                               dtype=torch.int8, device=q.device)
+        _step(q, k_cache, v_cache, plan.workspace, store, sigma, self.config, self.launch, out, keep)
+        step_stats = _stats(plan.workspace, heads, self.config) if stats or attended else None
+        masks = _masks(keep, plan.workspace.seq_lens) if attended else None
+        return out, step_stats, masks
+
+    def _allocate_for(self, plan: TritonPlan, q, k_cache, v_cache) -> TritonPlan:
+        pending = plan.workspace
+        self.shapes = HeadShapes(q.shape[1], k_cache.shape[1], k_cache.shape[2], v_cache.shape[2])
+        if self.workspace is not None and not self.workspace.fits(self.shapes, self.config):
+            self.workspace = None
+        return self.plan(pending.page_table, pending.seq_lens)
+
+
+@dataclass
+class _Pending:
+    """A plan's page table and lengths until the first run knows the shapes of its workspace."""
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+          launch: TritonLaunch, out, keep) -> None:
+    """The launches of one step (module docstring) on the workspace view of a planned batch."""
+    h_kv = k_cache.shape[1]
+    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     certified = config.policy == "certified"
-    kern.exact_part(q, k_cache, page_table, seq_lens, ws.ref, ws.z_lb, ws.sample, sigma, launch=launch,
+    kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, launch=launch,
                     budget_threshold=ws.threshold if config.policy == "budget" else None, budget=config.budget,
-                    hist=ws.hist if certified else None, habs=ws.habs if certified else None, **layout)
+                    hist=ws.hist if certified else None, habs=ws.habs if certified else None)
     if config.policy in ("dense", "fixed"):
         ws.threshold.fill_(-math.inf if config.policy == "dense" else config.fixed_threshold)
     if certified:
-        kern.certified_hist(q, page_table, seq_lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma,
-                            bits=config.grid_bits, launch=launch, **layout)
+        kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout, min_sparse,
+                            config.grid_bits, EDGES, launch)
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma,
-                                 config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING, h_kv, launch)
-    kern.attend(q, k_cache, v_cache, page_table, seq_lens, store.tensors, ws.threshold, ws.ref,
-                ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, bits=config.grid_bits, gate=gates_values(config),
-                launch=launch, attended=attended, **layout)
+                                 config.eps * BUDGET_SAFETY, HIST_ROUNDING, h_kv, EDGES, launch)
+    attend = dict(layout=layout, min_sparse=min_sparse, bits=config.grid_bits, gate=gates_values(config),
+                  gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
+    kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
+                ws.mass, sigma, **attend)
+    _fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
+    if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
+        kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o,
+                    ws.counts, ws.mass, sigma, fallback=ws.fallback, **attend)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
-    return out, (_stats(ws, seq_lens, heads, config) if with_stats else None)
 
 
-def indexed_tokens(seq_lens: torch.Tensor, config: LouverConfig) -> torch.Tensor:
-    """Tokens read through the index per request ``[B]`` int64 (device-side ``split_pages``)."""
-    full = seq_lens.long() // config.page_size
-    sink = torch.clamp(full, max=config.sink_pages)
-    recent = torch.minimum(full - sink, torch.full_like(full, config.recent_pages))
-    return (full - sink - recent) * config.page_size
+def _fallback_flags(ws: GpuWorkspace, layout: RequestLayout, h_kv: int, fraction: float) -> None:
+    """ws.union = union candidates per request, ws.fallback = those over ``fraction`` of the
+    indexed keys (the torch path's comparison), by device ops into the workspace."""
+    torch.sum(ws.counts[:, :, :, 2, 0], dim=(1, 2), out=ws.union)
+    total = (layout.indexed_tokens(ws.seq_lens) * h_kv).clamp(min=1)
+    torch.gt(ws.union, fraction * total, out=ws.fallback)
 
 
-def _stats(ws: GpuWorkspace, seq_lens, heads: int, config: LouverConfig) -> StepStats:
+def _stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
     batch, h_kv = ws.counts.shape[:2]
     groups = heads // h_kv
     per_head = lambda x: x[..., :groups].sum(2).reshape(batch, heads)
@@ -162,24 +243,35 @@ def _stats(ws: GpuWorkspace, seq_lens, heads: int, config: LouverConfig) -> Step
     else:
         dropped = per_head(ws.mass[:, :, :, 0]).double() + per_head(ws.mass[:, :, :, 1]).double()
     counts = ws.counts.long()
-    num_indexed = indexed_tokens(seq_lens, config)
+    num_indexed = RequestLayout.of(config).indexed_tokens(ws.seq_lens)
+    fallback = ws.fallback.clone()
+    sparse_values = counts[:, :, :, 3, 0].sum((1, 2))
     return StepStats(
-        threshold=ws.threshold, candidates=per_head(counts[:, :, :, 0]),
-        pages_skipped=per_head(counts[:, :, :, 1]), mass_bound=dropped / z_final,
-        num_indexed=num_indexed, num_pages=num_indexed // config.page_size,
-        dense_fallback=torch.zeros(batch, dtype=torch.bool, device=seq_lens.device),
-        union_candidates=counts[:, :, :, 2, 0].sum((1, 2)), values_read=counts[:, :, :, 3, 0].sum((1, 2)),
+        threshold=ws.threshold.clone(),
+        candidates=torch.where(fallback[:, None], num_indexed[:, None], per_head(counts[:, :, :, 0])),
+        pages_skipped=per_head(counts[:, :, :, 1]),
+        mass_bound=torch.where(fallback[:, None], 0.0, dropped / z_final),
+        num_indexed=num_indexed, num_pages=num_indexed // config.page_size, dense_fallback=fallback,
+        union_candidates=counts[:, :, :, 2, 0].sum((1, 2)),
+        values_read=torch.where(fallback, num_indexed * h_kv, sparse_values),
         pages_read=counts[:, :, :, 4, 0].sum((1, 2)),
     )
 
 
-def _check(q, k_cache, v_cache, page_table, store: PageIndexStore, config: LouverConfig) -> None:
-    if config.family != "grid" or store.config.family != "grid":
-        raise ValueError("the GPU decode path supports the grid family; use family='grid'")
+def _masks(keep: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Per request, bool ``[H_q, L]`` from the attended buffer (reads the device: audits only)."""
+    return [keep[b, :, :n].bool().cpu() for b, n in enumerate(seq_lens.tolist())]
+
+
+def _check(q, k_cache, v_cache, plan: TritonPlan, store, config: LouverConfig) -> None:
+    if store.config.family != "grid":
+        raise ValueError("the 'triton' decode implementation reads grid-family stores")
     if store.code_layout != "token":
         raise ValueError("the GPU decode kernels read token-layout codes; make the store with code_layout='token'")
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or page_table.dim() != 2:
-        raise ValueError("q must be [B, H_q, D], k/v caches [slots, H_kv, D], page_table [B, W]")
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError("q must be [B, H_q, D] and k/v caches [slots, H_kv, D]")
+    if q.shape[0] != plan.batch:
+        raise ValueError(f"the plan is for {plan.batch} requests, q has {q.shape[0]}")
     if k_cache.shape[1:] != (store.num_kv_heads, store.head_dim) or q.shape[2] != store.head_dim:
         raise ValueError("q / k_cache do not match the index (H_kv, D)")
     if q.shape[1] % store.num_kv_heads:
@@ -188,8 +280,5 @@ def _check(q, k_cache, v_cache, page_table, store: PageIndexStore, config: Louve
         raise ValueError("the GPU decode kernels support head dims 64 and 128")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k/v caches need a contiguous last dim")
-    layout = ("page_size", "grid_bits")
-    if any(getattr(config, f) != getattr(store.config, f) for f in layout):
+    if any(getattr(config, f) != getattr(store.config, f) for f in ("page_size", "grid_bits")):
         raise ValueError("config index layout differs from the store's; rebuild the index")
-    if getattr(config, "min_sparse_tokens", 0):
-        raise ValueError("min_sparse_tokens is a CPU-path setting; the GPU step needs min_sparse_tokens=0")

@@ -116,34 +116,34 @@ def _budget(s_idx, cfg: LouverConfig):
 
 
 def _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
-    """One T per head: the largest edge e whose dropped mass (pages with x_page < e whole, tokens
-    with x_tok < e in the other pages) fits in eps·Z_lb; the mass is then recounted at the fp32 T,
-    and a head whose recount does not fit keeps everything."""
+    """One T per head: the largest edge e whose certified dropped mass fits in eps·Z_lb. The mass
+    at e counts pages with x_page < e whole and tokens with x_tok < e in the other pages; its
+    certificate adds the bound on the fp64 rounding of that sum (``HIST_ROUNDING`` times its
+    terms, all positive here) and is the index-dropped mass reported (no recount)."""
     size = cfg.page_size
     budget = cfg.eps * z_lb * th.BUDGET_SAFETY
     t_out = torch.empty(pb.shape[0])
     keep = torch.zeros(u.shape, dtype=torch.bool)
     dropped = torch.zeros(pb.shape[0], dtype=torch.float64)
     for h in range(pb.shape[0]):
-        def mass_at(e, h=h):
+        def bound_at(e, h=h):
             page_below = x_page[h] < e
             tok_below = ~page_below.repeat_interleave(size) & (x_tok[h] < e)
-            return size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)
+            mass = size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)
+            return mass * (1.0 + th.HIST_ROUNDING)
 
-        edge = _largest_edge(mass_at, budget[h])
+        edge = _largest_edge(bound_at, budget[h])
         t = th.edge_threshold(torch.tensor(edge), ref[h], sigma)
         keep_page = ~(pb[h] < t)
         keep[h] = keep_page.repeat_interleave(size) & ~(u[h] < t)
-        dropped[h] = size * _mass(x_page[h], ~keep_page) + _mass(x_tok[h], keep_page.repeat_interleave(size) & ~keep[h])
-        if dropped[h] > budget[h]:
-            t, keep[h], dropped[h] = torch.tensor(-math.inf), True, 0.0
+        dropped[h] = bound_at(float(th.EDGE_VALUES[edge])) if edge >= 0 else 0.0
         t_out[h] = t
     return t_out, keep, dropped
 
 
 def _largest_edge(mass_fn, budget) -> int:
     for j in range(th.EDGE_COUNT - 1, -1, -1):
-        if mass_fn(float(th.EDGES[j])) <= budget:
+        if mass_fn(float(th.EDGE_VALUES[j])) <= budget:
             return j
     return -1
 

@@ -1,4 +1,5 @@
-"""The batched Louver decode step on paged KV tensors (fast CPU path, vectorised torch).
+"""The ``torch`` decode implementation: the batched Louver step in vectorised torch (CPU tensors,
+both bound families).
 
 Order of work (design §6): exact scores of the dense part (sink pages, recent pages, tail) and of
 the sample; page bounds; thresholds; token bounds of surviving pages; union of each GQA group's
@@ -10,193 +11,60 @@ Requests whose candidate fraction exceeds ``dense_fallback_fraction`` run dense 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..config import LouverConfig
-from ..index.store import PageIndexStore
 from . import threshold as th
+from .contract import DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values
 from .filter import FilterResult, run_filter
-from .plan import DecodePlan, plan_decode
+from .plan import plan_decode
 from .segments import exact_scores, seg_amax, seg_sum
 
 
-@dataclass
-class StepStats:
-    """Per-step telemetry. Shapes: ``[B, H_q]`` unless noted.
+class TorchDecode(DecodeImplementation):
+    """Vectorised torch on CPU tensors; every option, both bound families; it can return the
+    attended key set (evaluations, audits)."""
 
-    threshold (fp32), candidates (indexed keys attended per head; all under a dense fallback), pages_skipped, mass_bound
-    (fp64 certified upper bound on the dropped softmax mass), num_indexed ``[B]``, num_pages ``[B]``,
-    dense_fallback ``[B]`` bool, values_read ``[B]`` (V rows read for indexed keys, all KV heads),
-    union_candidates ``[B]`` (candidate rows over all KV heads: keys read), pages_read ``[B]``
-    (indexed pages whose codes were read because some head kept the page).
-    """
-
-    threshold: torch.Tensor
-    candidates: torch.Tensor
-    pages_skipped: torch.Tensor
-    mass_bound: torch.Tensor
-    num_indexed: torch.Tensor
-    num_pages: torch.Tensor
-    dense_fallback: torch.Tensor
-    values_read: torch.Tensor
-    union_candidates: torch.Tensor
-    pages_read: torch.Tensor
+    name = "torch"
+    returns_attended = True
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, num_indexed: torch.Tensor, num_pages: torch.Tensor) -> StepStats:
-        """Statistics of the compiled step, packed as fp64 ``[B, H_q + 1, 4]`` (row h < H_q: head h's
-        threshold, candidates, pages skipped, mass bound; row H_q: the request's dense fallback 0/1,
-        union candidates, values read, pages read; kernels/cpu/stats.h). The fields are unpacked on
-        first access: a step then creates one tensor for its statistics, not eight (at batch 1
-        each costs microseconds once a layer has swept the caches)."""
-        stats = cls.__new__(cls)
-        stats.__dict__.update(_packed=packed, num_indexed=num_indexed, num_pages=num_pages)
-        return stats
+    def unavailable(cls, device: torch.device) -> str | None:
+        return None if device.type == "cpu" else "it runs on CPU tensors"
 
-    def __getattr__(self, name: str):
-        # only reached for attributes not yet set: the fields of a packed instance
-        packed = self.__dict__.get("_packed")
-        if packed is None or name not in _PACKED_FIELDS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        heads = packed.shape[1] - 1
-        per_head, per_req = packed[:, :heads], packed[:, heads]
-        self.__dict__.update(
-            threshold=per_head[..., 0].float(), candidates=per_head[..., 1].long(),
-            pages_skipped=per_head[..., 2].long(), mass_bound=per_head[..., 3].contiguous(),
-            dense_fallback=per_req[:, 0] != 0, union_candidates=per_req[:, 1].long(),
-            values_read=per_req[:, 2].long(), pages_read=per_req[:, 3].long())
-        del self.__dict__["_packed"]
-        return self.__dict__[name]
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
+        return plan_decode(page_table, seq_lens, self.config)
+
+    def run(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+        check_inputs(q, k_cache, v_cache, store, self.config)
+        if plan.batch_size != q.shape[0]:
+            raise ValueError(f"the plan is for {plan.batch_size} requests, q has {q.shape[0]}")
+        step = run_decode(q, k_cache, v_cache, plan, store, sigma, self.config, out, keep_parts=attended)
+        masks = attended_masks(*step[2], plan, q.shape[1], k_cache.shape[0]) if attended else None
+        return step[0], step[1], masks
 
 
-_PACKED_FIELDS = frozenset(("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback",
-                            "union_candidates", "values_read", "pages_read"))
-
-
-def louver_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    store: PageIndexStore,
-    sigma: float,
-    config: LouverConfig | None = None,
-    out: torch.Tensor | None = None,
-    backend: str = "auto",
-    chunk_pages: int = 64,
-    plan: DecodePlan | None = None,
-) -> tuple[torch.Tensor, StepStats]:
-    """One decode step for a batch of requests.
-
-    Args:
-        q: ``[B, H_q, D]`` queries (any float dtype).
-        k_cache, v_cache: ``[num_slots, H_kv, D]`` / ``[num_slots, H_kv, D_v]`` paged KV buffers.
-        page_table: ``[B, max_pages]`` int page ids; seq_lens: ``[B]`` tokens per request.
-        store: the page index (every full indexed page must be built).
-        sigma: softmax scale. config: defaults to ``store.config`` (same index layout required).
-        out: optional caller-owned ``[B, H_q, D_v]`` output buffer.
-        backend: "torch" (vectorised torch), "cpp" (compiled CPU kernel, grid family), or "auto"
-            (the compiled kernel where it applies and loads, else torch).
-        chunk_pages: pages per split of the compiled kernel (a profile knob).
-        plan: the host-side plan of ``page_table`` / ``seq_lens`` (``plan_decode``) when the caller
-            shares one across layers; built here if None.
-
-    Returns ``(out [B, H_q, D_v] in q's dtype, StepStats)``.
-    """
-    if plan is not None:
-        # Fast path: a later step of a layer whose compiled step and the plan's buffers an earlier
-        # step prepared; its inputs were checked then, q is checked by the kernel. Few Python
-        # lines on purpose: after the layer's attention has swept
-        # the caches each costs microseconds, and at batch 1 they were a sixth of a 32K step.
-        compiled = store.compiled_steps.get((id(k_cache), id(v_cache), id(config), sigma, backend, chunk_pages))
-        if compiled is not None:
-            cpu = plan.derived.get(compiled.plan_key)
-            if cpu is not None:
-                return compiled.run(q, plan, cpu, out)
-    config_arg, config = config, config or store.config
-    _check_inputs(q, k_cache, v_cache, store, config)
-    if plan is None:
-        plan = plan_decode(page_table, seq_lens, config)
-    elif plan.page_size != config.page_size or plan.batch_size != q.shape[0]:
-        raise ValueError(f"plan is for page size {plan.page_size} and {plan.batch_size} requests, the step for "
-                         f"page size {config.page_size} and {q.shape[0]}")
-    compiled = _cpu_ops(backend, store, q)
-    if compiled is not None:
-        ops, run_decode_fused = compiled
-        key = (id(k_cache), id(v_cache), id(config_arg), sigma, backend, chunk_pages)
-        return run_decode_fused(q, k_cache, v_cache, plan, store, sigma, config, ops, chunk_pages, out, key)
-    return run_decode(q, k_cache, v_cache, plan, store, sigma, config, out)
-
-
-def gates_with_int8_bounds(store: PageIndexStore) -> bool:
-    """Whether ``louver_decode`` (backend "auto") or the GPU step on ``store`` runs the compiled
-    kernels, which gate tokens and certify T with int8 token bounds
-    (``fused.int8_token_bounds_reference``) instead of the store's fp32 ones."""
-    return store.config.family == "grid" and (not store.on_cpu or _compiled_ops() is not None)
-
-
-def _cpu_ops(backend: str, store: PageIndexStore, q: torch.Tensor):
-    """(compiled CPU module, fused step) if ``backend`` asks for them (or allows them) and they apply."""
-    if backend not in ("auto", "torch", "cpp"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'cpp', got {backend!r}")
-    applies = store.config.family == "grid" and store.on_cpu  # the kernel checks q's device
-    if backend == "torch" or (backend == "auto" and not applies):
-        return None
-    if not applies:
-        raise ValueError("the compiled CPU kernel supports the grid family on CPU tensors only")
-    ops = _compiled_ops()
-    if ops is None and backend == "cpp":
-        raise RuntimeError("the compiled CPU kernel failed to build or load (see the log)")
-    return ops
-
-
-@functools.cache
-def _compiled_ops():
-    """The compiled CPU module and the fused step's entry point, or None if the module does not
-    build here (resolved once: an import statement per layer call is measurable at batch 1)."""
-    from louver_kernels.cpu_ops import cpu_ops_available, load_cpu_ops
-
-    from .fused import run_decode_fused
-
-    return (load_cpu_ops(), run_decode_fused) if cpu_ops_available() else None
-
-
-def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None):
-    """Device-side part of ``louver_decode`` for a prepared ``plan`` (same arguments)."""
+def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None, keep_parts: bool = False):
+    """One step for a prepared ``plan``: ``(out [B, H_q, D_v] in q's dtype, StepStats, parts)``,
+    parts = (candidates, value gate, fallback mask) when ``keep_parts`` (else None)."""
     batch, heads, _ = q.shape
     q32 = q.to(torch.float32)
     ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
-    s_dense, ref, z_dense, z_lb = ex.s_dense, ex.ref, ex.z_dense, ex.z_lb
-    fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
+    union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
     cand = _candidates(q32, k_cache, filt, plan, fallback)
-    gate = _value_gate(cand, filt, ref, z_dense, z_lb, sigma, config, batch)
-    result = _attend(q32, s_dense, cand, gate, v_cache, plan, sigma, batch)
+    gate = _value_gate(cand, filt, ex.ref, ex.z_dense, ex.z_lb, sigma, config, batch)
+    result = _attend(q32, ex.s_dense, cand, gate, v_cache, plan, sigma, batch)
     result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
     if out is None:
         out = torch.empty((batch, heads, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     out.copy_(result)
-    stats = _stats(filt, cand, gate, plan, fallback, batch)
-    return out, stats
-
-
-@dataclass
-class ExactPart:
-    """Exact scores computed before filtering: dense part ``s_dense`` ``[ND, H_q]``; ``ref`` (max
-    exact score, fp32), ``z_dense`` and ``z_lb`` (fp64 masses relative to ref) ``[B, H_q]``;
-    ``sample`` = (padded sample scores ``[B, M, H_q]``, counts ``[B]``)."""
-
-    s_dense: torch.Tensor
-    ref: torch.Tensor
-    z_dense: torch.Tensor
-    z_lb: torch.Tensor
-    sample: tuple[torch.Tensor, torch.Tensor]
+    stats = _stats(filt, cand, gate, plan, union, fallback, store.num_kv_heads)
+    return out, stats, ((cand, gate, fallback) if keep_parts else None)
 
 
 def exact_part(q32: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan, sigma: float) -> ExactPart:
@@ -268,11 +136,6 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     return _Gate(attend, dropped / z_final)
 
 
-def gates_values(config: LouverConfig) -> bool:
-    """Whether candidates scoring below T skip their V read (budget and fixed policies)."""
-    return config.value_gate and config.policy in ("budget", "fixed")
-
-
 def _attend(q32, s_dense, cand: _Candidates, gate: _Gate, v_cache, plan, sigma, batch) -> torch.Tensor:
     """Softmax over dense part + attended candidates, V read only for attended rows."""
     heads = q32.shape[1]
@@ -297,14 +160,15 @@ def _attend(q32, s_dense, cand: _Candidates, gate: _Gate, v_cache, plan, sigma, 
     return (num / den[:, None]).view(batch, heads, d_v)
 
 
-def _fallback_mask(filt: FilterResult, plan: DecodePlan, h_kv: int, config: LouverConfig) -> torch.Tensor:
-    """Requests whose union candidate fraction exceeds ``dense_fallback_fraction``."""
+def _fallback_mask(filt: FilterResult, plan: DecodePlan, h_kv: int, config: LouverConfig):
+    """(union candidates ``[B]``, requests whose union candidate fraction exceeds
+    ``dense_fallback_fraction`` ``[B]`` bool)."""
     size = plan.page_size
     groups = filt.keep.shape[2] // h_kv
     union = filt.keep.view(len(filt.surviving), size, h_kv, groups).any(-1).sum((1, 2))
     count = seg_sum(union, plan.page_req[filt.surviving], plan.batch_size)
     total = (plan.num_indexed * h_kv).clamp(min=1)
-    return count > config.dense_fallback_fraction * total
+    return count, count > config.dense_fallback_fraction * total
 
 
 def _dense_for(fallback, result, q32, k_cache, v_cache, plan: DecodePlan, sigma) -> torch.Tensor:
@@ -343,8 +207,8 @@ def _pad_sample(s_sample: torch.Tensor, plan: DecodePlan, batch: int) -> tuple[t
     return padded, counts
 
 
-def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, batch) -> StepStats:
-    heads = filt.threshold.shape[1]
+def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, union, fallback, h_kv: int) -> StepStats:
+    batch, heads = filt.threshold.shape
     own = torch.zeros(batch * heads, dtype=torch.long).index_add_(
         0, cand.seg.reshape(-1), gate.attend.long().reshape(-1))
     values = torch.bincount(cand.req[gate.attend.any(1)], minlength=batch)
@@ -353,26 +217,32 @@ def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, fallback, b
         candidates=torch.where(fallback[:, None], plan.num_indexed[:, None], own.view(batch, heads)),
         mass_bound=torch.where(fallback[:, None], torch.zeros_like(gate.mass_bound), gate.mass_bound),
         num_indexed=plan.num_indexed, num_pages=plan.num_pages,
-        dense_fallback=fallback, values_read=values,
-        union_candidates=torch.bincount(cand.req, minlength=batch),
+        dense_fallback=fallback, values_read=torch.where(fallback, plan.num_indexed * h_kv, values),
+        union_candidates=union.long(),
         pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
     )
 
 
-def _check_inputs(q, k_cache, v_cache, store: PageIndexStore, config: LouverConfig) -> None:
-    # Few tensor calls on purpose: this runs for every layer, where each call into torch costs
-    # microseconds once the layer's attention has swept the caches.
-    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
-    if len(qs) != 3 or len(ks) != 3 or len(vs) != 3:
-        raise ValueError(
-            f"q must be [B, H_q, D] and k/v caches [slots, H_kv, D]; got {tuple(qs)}, {tuple(ks)}, {tuple(vs)}"
-        )
-    if ks[:2] != vs[:2] or ks[1:] != (store.num_kv_heads, store.head_dim):
-        raise ValueError("k/v caches do not match each other or the index (H_kv, D)")
-    if qs[2] != store.head_dim or qs[1] % store.num_kv_heads:
-        raise ValueError(f"q {tuple(qs)} does not match H_kv={store.num_kv_heads}, D={store.head_dim}")
-    if config is not store.config and any(getattr(config, f) != getattr(store.config, f) for f in _LAYOUT):
-        raise ValueError("config index layout differs from the store's; rebuild the index")
 
 
-_LAYOUT = ("page_size", "family", "grid_bits", "n_subspaces", "cluster_size", "residual_norms")
+def attended_masks(cand: _Candidates, gate: _Gate, fallback, plan: DecodePlan, heads: int, num_slots: int):
+    """Per request, bool ``[H_q, L]``: which token positions each query head attended (dense part,
+    attended candidates, or everything under a dense fallback)."""
+    size, page_table = plan.page_size, plan.page_table
+    masks = []
+    for b, n in enumerate(plan.seq_lens.tolist()):
+        if bool(fallback[b]):
+            masks.append(torch.ones((heads, n), dtype=torch.bool))
+            continue
+        pos = torch.arange(n)
+        slot_to_pos = torch.full((num_slots,), -1, dtype=torch.long)
+        slot_to_pos[page_table[b].long()[pos // size] * size + pos % size] = pos
+        mask = torch.zeros((heads, n), dtype=torch.bool)
+        mask[:, slot_to_pos[plan.dense_slots[plan.dense_req == b]]] = True
+        mine = cand.req == b
+        flat = cand.seg[mine]  # [Nc_b, G] flat (request, head) ids
+        positions = slot_to_pos[cand.slots[mine]][:, None].expand_as(flat)
+        attend = gate.attend[mine]
+        mask[flat[attend] - b * heads, positions[attend]] = True
+        masks.append(mask)
+    return masks

@@ -7,8 +7,9 @@ Certified rule (design §4): with Z_lb = Σ exp(σ·(s − m)) over scores compu
 choose T so that Σ over every dropped unit of w·exp(σ·(u − m)) ≤ ε·Z_lb, where the units are the
 pages whose bound is below T (weight P) and the tokens below T in the other pages. Since every
 dropped key has exact score ≤ u and Z_lb ≤ the true softmax denominator, the dropped softmax mass
-is < ε. The candidate levels are the fixed edges ``EDGES`` (in units of σ·(T − m)), so the choice
-is one histogram pass plus a cumulative sum; the dropped mass is then recounted exactly.
+is < ε. The candidate levels are the fixed edges ``contract.EDGES`` (in units of σ·(T − m)), so the choice
+is one histogram pass plus a cumulative sum (``certified_choice``); the certificate is the
+histogram's sum at the chosen edge plus a bound on its fp64 rounding, with no recount.
 """
 
 from __future__ import annotations
@@ -18,17 +19,11 @@ import math
 import torch
 
 from ..config import LouverConfig
+from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, ThresholdEdges  # noqa: F401 (re-exported)
 
-EDGE_LOW, EDGE_STEP, EDGE_COUNT = -48.0, 0.25, 257
-EDGES = EDGE_LOW + EDGE_STEP * torch.arange(EDGE_COUNT, dtype=torch.float64)
-# A unit strictly below an edge in fp64 log-mass space stays below the fp32 threshold built from that
-# edge because the threshold is placed this far (in σ·score units) under the edge and rounded down.
-EDGE_MARGIN = 1e-6
-# Relative safety on budgets for the fp64 accumulation of up to ~1e8 positive terms.
-BUDGET_SAFETY = 1.0 - 1e-7
-# Relative bound on the fp64 rounding of the certified histograms' sums (terms added in any order,
-# then a cumulative sum): 2·n·2^-53 with n < 2·10^7 terms per (request, head).
-HIST_ROUNDING = 1e-8
+# The edges of the certified rule (contract.EDGES is their one definition; these names read them).
+EDGE_LOW, EDGE_STEP, EDGE_COUNT, EDGE_MARGIN = EDGES.low, EDGES.step, EDGES.count, EDGES.margin
+EDGE_VALUES = EDGES.values()
 
 
 def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -36,25 +31,27 @@ def log_mass(values: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Ten
     return sigma * (values.to(torch.float64) - ref.to(torch.float64))
 
 
-def edge_bins(x: torch.Tensor) -> torch.Tensor:
+def edge_bins(x: torch.Tensor, edges: ThresholdEdges = EDGES) -> torch.Tensor:
     """Number of edges <= x (x fp64 log-mass); NaN maps past the last edge (never below one)."""
-    return torch.bucketize(x.nan_to_num(nan=math.inf).contiguous(), EDGES, right=True)
+    values = EDGE_VALUES if edges is EDGES else edges.values()
+    return torch.bucketize(x.nan_to_num(nan=math.inf).contiguous(), values.to(x.device), right=True)
 
 
 def pick_edge(mass_below: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
     """Largest edge index j with mass_below[..., j] <= budget; −1 if none.
 
-    mass_below ``[S, H, E]``, budget ``[S, H]`` -> ``[S, H]`` int64.
+    mass_below ``[S, H, E]`` (E edges), budget ``[S, H]`` -> ``[S, H]`` int64.
     """
     ok = mass_below <= budget.unsqueeze(-1)
-    idx = torch.where(ok, torch.arange(EDGE_COUNT, device=ok.device), -1)
+    idx = torch.where(ok, torch.arange(ok.shape[-1], device=ok.device), -1)
     return idx.amax(dim=-1)
 
 
-def edge_threshold(edge_idx: torch.Tensor, ref: torch.Tensor, sigma: float) -> torch.Tensor:
+def edge_threshold(edge_idx: torch.Tensor, ref: torch.Tensor, sigma: float,
+                   edges: ThresholdEdges = EDGES) -> torch.Tensor:
     """fp32 threshold ``[S, H]`` for edge indices (−1 -> −inf), placed just under the edge."""
-    edge = EDGE_LOW + EDGE_STEP * edge_idx.clamp(min=0).to(torch.float64)  # = EDGES[idx], exactly
-    t = ref.to(torch.float64) + (edge - EDGE_MARGIN) / sigma
+    edge = edges.low + edges.step * edge_idx.clamp(min=0).to(torch.float64)  # = the edge's value, exactly
+    t = ref.to(torch.float64) + (edge - edges.margin) / sigma
     t32 = t.to(torch.float32)
     t32 = torch.where(t32.to(torch.float64) > t, torch.nextafter(t32, torch.full_like(t32, -math.inf)), t32)
     t32 = torch.where(edge_idx < 0, -math.inf, t32)
@@ -78,9 +75,9 @@ def budget_threshold(sample_scores: torch.Tensor, sample_count: torch.Tensor, fr
 
 
 def gate_threshold(t: torch.Tensor) -> torch.Tensor:
-    """Value-gate threshold: a candidate skips its V read only if its exact score is clearly
-    below T, so that two evaluation orders of the same dot product gate the same keys."""
-    return t - 1e-4 * (t.abs() + 1.0)
+    """Value-gate threshold (``contract.VALUE_GATE``): a candidate skips its V read only if its
+    exact score is clearly below T."""
+    return VALUE_GATE.threshold(t)
 
 
 def static_threshold_value(config: LouverConfig) -> float | None:
@@ -97,3 +94,39 @@ def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tens
     policy's T needs data."""
     value = static_threshold_value(config)
     return None if value is None else torch.full((batch, heads), value)
+
+
+def certified_choice(pb: torch.Tensor, tok: torch.Tensor, page_req: torch.Tensor, ref: torch.Tensor,
+                     z_lb: torch.Tensor, sigma: float, eps_budget: float, rounding: float,
+                     edges: ThresholdEdges = EDGES):
+    """The certified rule every implementation follows (the compiled ``certified_threshold`` op
+    and the Triton histogram kernels are tested against this): page bounds ``[NP, H_q]`` and token
+    bounds ``[NP, P, H_q]`` fp32 -> (T ``[B, H_q]`` fp32, certificate ``[B, H_q]`` fp64, hist and
+    habs ``[B, H_q, edges.count + 2]`` fp64).
+
+    hist holds, per edge bin, pages whole at their bin and tokens below their page's bin at
+    theirs, minus the same tokens at the page's bin (so that its cumulative sum at edge j is the
+    mass dropped when pages and tokens share the level j); habs sums the absolute terms. The mass
+    dropped at edge j is bounded by cumsum(hist)[j] + rounding·cumsum(habs)[j] (fp64 rounding of
+    the sums in any order); T is the largest edge whose bound fits eps_budget·Z_lb, and the
+    certificate is that bound (0 where no edge fits and T = −inf).
+    """
+    batch, heads = ref.shape
+    size = tok.shape[1]
+    tok = torch.minimum(tok, pb[:, None, :])
+    x_page, x_tok = log_mass(pb, ref[page_req], sigma), log_mass(tok, ref[page_req][:, None, :], sigma)
+    b_page, b_tok = edge_bins(x_page, edges), edge_bins(x_tok, edges)
+    mass_page = size * torch.exp(x_page.clamp(max=700.0)).nan_to_num(nan=0.0)
+    mass_tok = torch.exp(x_tok.clamp(max=700.0)).nan_to_num(nan=0.0) * (b_tok < b_page[:, None, :])
+    width = edges.hist_width
+    seg = (page_req[:, None] * heads + torch.arange(heads, device=ref.device)) * width
+    parts = []
+    for index, mass in (((seg + b_page), mass_page), ((seg[:, None, :] + b_tok), mass_tok),
+                        ((seg + b_page), mass_tok.sum(1))):
+        parts.append(torch.zeros(batch * heads * width, dtype=torch.float64, device=ref.device).index_add_(
+            0, index.reshape(-1), mass.reshape(-1)).view(batch, heads, width))
+    hist, habs = parts[0] + parts[1] - parts[2], parts[0] + parts[1] + parts[2]
+    bound = (hist.cumsum(-1) + rounding * habs.cumsum(-1))[..., :edges.count]
+    edge = pick_edge(bound, eps_budget * z_lb)
+    cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
+    return edge_threshold(edge, ref, sigma, edges), cert, hist, habs
