@@ -280,7 +280,8 @@ def _attend_kernel(
             keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
                            mask=row[:, None], other=0.0)
             sc_exact = exact_scores(keys, q, QHI)
-            att = keep & (sc_exact >= page_gate[None, :])
+            # a NaN score is never below the gate (keep semantics, as the torch and C++ steps)
+            att = keep & ((sc_exact >= page_gate[None, :]) | (sc_exact != sc_exact))
             gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
             x = tl.where(att, sigma * sc_exact, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 0))

@@ -20,7 +20,8 @@ from conftest import make_paged  # noqa: E402
 from louver_kernels.triton.grid_build import grid_build  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
-from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu  # noqa: E402
+from louver_sgl.decode import HeadShapes, LouverDecode  # noqa: E402
+from louver_sgl.decode.gpu import GpuWorkspace  # noqa: E402
 from louver_sgl.decode.reference import reference_decode  # noqa: E402
 from louver_sgl.index import grid  # noqa: E402
 
@@ -93,12 +94,13 @@ def _setup(policy, dtype, dim=64, groups=3, seed=0, **cfg):
 
 
 def _run(config, q, k, v, table, lens, store, sigma):
-    attended = torch.zeros(len(LENS), q.shape[1], table.shape[1] * P, dtype=torch.int8, device=DEVICE)
-    out, stats = louver_decode_gpu(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE), lens.to(DEVICE), store, sigma,
-        config, launch=SPLITS, attended=attended,
-    )
-    return out.cpu(), {n: getattr(stats, n).cpu() for n in stats.__dataclass_fields__}, attended.cpu().bool()
+    """One step through the wrapper: (out, stats fields, attended [B, H_q, W·P] bool)."""
+    decode = LouverDecode(config, DEVICE, impl="triton", launch=SPLITS).plan(table.to(DEVICE), lens.to(DEVICE))
+    out, stats, masks = decode.run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), store, sigma, attended=True)
+    attended = torch.zeros(len(LENS), q.shape[1], table.shape[1] * P, dtype=torch.bool)
+    for b, mask in enumerate(masks):
+        attended[b, :, : mask.shape[1]] = mask
+    return out.cpu(), {n: getattr(stats, n).cpu() for n in stats.__dataclass_fields__}, attended
 
 
 def _request(q, k, v, table, lens, b):
@@ -172,7 +174,7 @@ def test_head_dim_128_and_all_keys_candidates():
 
 def test_workspace_views_are_address_stable():
     config = LouverConfig(page_size=P)
-    ws = GpuWorkspace.allocate(8, 40, 6, 2, 64, config, SPLITS, DEVICE)
+    ws = GpuWorkspace.allocate(8, 40, HeadShapes(6, 2, 64, 64), config, SPLITS, DEVICE)
     small = ws.view(3)
     assert small.o.data_ptr() == ws.o.data_ptr() and small.o.shape[0] == 3
     with pytest.raises(ValueError, match="exceeds"):
@@ -181,8 +183,8 @@ def test_workspace_views_are_address_stable():
 
 def test_bad_inputs_are_rejected():
     config, q, k, v, table, lens, store = _setup("budget", torch.float16)
-    with pytest.raises(ValueError, match="grid family"):
-        louver_decode_gpu(q, k, v, table, lens, store, 0.1, config.with_(family="clustered"))
+    with pytest.raises(ValueError, match="family='clustered' is not supported by the 'triton' decode implementation"):
+        LouverDecode(config.with_(family="clustered"), DEVICE, impl="triton")
     with pytest.raises(ValueError, match="unknown Triton launch"):
         TritonLaunch.from_dict({"pages_per_split": 4, "block": 3})
     with pytest.raises(ValueError, match="power of two"):
