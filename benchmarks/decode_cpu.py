@@ -29,7 +29,7 @@ from tqdm import tqdm
 from louver_sgl.data.paged import PagedBatch, load_trace, paged_batch
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode import louver_decode
+from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.plan import plan_decode, split_pages
 from louver_sgl.memory import huge_copy
 
@@ -210,9 +210,10 @@ def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_p
             start = time.perf_counter()
             store.build_pages(pb.k, plan.page_ids)
             build_s = time.perf_counter() - start
-            # the backend plans once per forward pass for all layers: the step gets the plan, whose
+            # the backend plans once per forward pass for all layers: the step runs on the plan, whose
             # own cost is reported per batch (plan_ms)
-            step = lambda: louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma, plan=plan)
+            decode = LouverDecode(cfg, "cpu").plan(pb.page_table, pb.seq_lens)
+            step = lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)
             dense_ms, ms = timeit_paired(variants[best], step, repeats)
             plan_ms = timeit(lambda: plan_decode(pb.page_table, pb.seq_lens, cfg), repeats)
             _, stats = step()

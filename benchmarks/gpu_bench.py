@@ -27,7 +27,7 @@ import torch
 from louver_kernels.triton.launch import TritonLaunch
 from louver_kernels.triton.timing import graph_replay_ms
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu
+from louver_sgl.decode import HeadShapes, LouverDecode
 
 # A CPU dry run (TRITON_INTERPRET=1, tiny sizes) exercises the script without a GPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,13 +139,16 @@ def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch):
     store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
     sync()
     build_s = time.perf_counter() - t0
-    ws = GpuWorkspace.allocate(case.batch, case.page_table.shape[1], case.q.shape[1], h_kv, dim, config, launch, DEVICE)
+    shapes = HeadShapes(case.q.shape[1], h_kv, dim, dim)
+    decode = LouverDecode(config, DEVICE, impl="triton", launch=launch, shapes=shapes, max_batch=case.batch,
+                          max_pages=case.page_table.shape[1])
+    decode.plan(case.page_table, case.seq_lens)
     out = torch.empty_like(case.q)
     holder = {}
 
     def step(with_stats: bool = False):
-        holder["stats"] = louver_decode_gpu(case.q, case.k_cache, case.v_cache, case.page_table, case.seq_lens,
-                                            store, case.sigma, config, launch, ws, out, with_stats=with_stats)[1]
+        result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, out=out, stats=with_stats)
+        holder["stats"] = result[1] if with_stats else None
 
     return step, out, holder, store, build_s
 
@@ -234,9 +237,11 @@ def check_exactness(layer, page_size: int, dtype, tokens: int) -> list[dict]:
             h_kv, dim = case.k_cache.shape[1:]
             store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE)
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
-            attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.int8, device=DEVICE)
-            _, stats = louver_decode_gpu(case.q, case.k_cache, case.v_cache, case.page_table, case.seq_lens,
-                                         store, case.sigma, config, attended=attended)
+            decode = LouverDecode(config, DEVICE, impl="triton").plan(case.page_table, case.seq_lens)
+            _, stats, masks = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
+            attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool)
+            for b, m in enumerate(masks):
+                attended[b, :, : m.shape[1]] = m
             k, _ = case.contiguous_kv()
             groups = case.q.shape[1] // h_kv
             missed, worst_ratio, keys = 0, 0.0, 0

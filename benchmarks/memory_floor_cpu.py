@@ -25,7 +25,7 @@ import torch
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import load_trace, paged_batch
-from louver_sgl.decode import louver_decode
+from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.plan import plan_decode
 
 from .decode_cpu import dense_variants, timeit, timeit_alternating
@@ -117,7 +117,8 @@ def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, round
     store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
     plan = plan_decode(pb.page_table, pb.seq_lens, cfg)
     store.build_pages(pb.k, plan.page_ids)
-    step = lambda: louver_decode(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma, plan=plan)
+    decode = LouverDecode(cfg, "cpu").plan(pb.page_table, pb.seq_lens)
+    step = lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)
     _, stats = step()
     pages, k_rows, v_rows = access_pattern(stats, store, plan)
     codes = store.tensors["codes"]

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
 
-import os
+# Without CUDA the Triton kernels run under the interpreter; it must be on before any test module
+# imports them (kernels decorated before it stay compiled-only).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)
 settings.register_profile("thorough", deadline=None, max_examples=3000, print_blob=True)

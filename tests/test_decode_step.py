@@ -11,7 +11,7 @@ from conftest import compiled_attended, make_paged
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
-from louver_sgl.decode.step import gates_values
+from louver_sgl.decode.contract import gates_values
 
 LENS = [300, 700, 20, 64, 129]
 GQA = [(2, 3), (1, 4), (4, 1)]

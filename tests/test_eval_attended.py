@@ -1,5 +1,5 @@
-"""The evaluation's view of the louver step: same output and stats as the real step, and the
-attended sets of the specification."""
+"""The attended key sets the evaluations read (``LouverDecode.run(..., attended=True)``): the
+specification's sets, with the same output and statistics as a step without them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from conftest import brute_force_scores, make_paged
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode import louver_decode
+from louver_sgl.decode import LouverDecode, louver_decode
 from louver_sgl.decode.reference import reference_decode
-from louver_sgl.eval.attended import louver_step_attended
 
 LENS = [300, 700, 20, 64, 129]
 
@@ -32,12 +31,12 @@ POLICIES = [dict(policy="certified", eps=0.05), dict(policy="certified", eps=1e-
 
 @pytest.mark.parametrize("options", POLICIES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
 def test_matches_real_step_and_reference(options):
-    """Output and stats equal louver_decode(torch) exactly; attended sets equal the reference's."""
+    """Output and stats equal the step's without the sets exactly; attended sets equal the reference's."""
     cfg = LouverConfig(page_size=16, sample_size=32, **options)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
     want, want_stats = louver_decode(q, k, v, table, lens, store, sigma, impl="torch")
-    out, stats, attended = louver_step_attended(q, k, v, table, lens, store, sigma)
+    out, stats, attended = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, sigma, attended=True)
     assert torch.equal(out, want)
     for field in ("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback"):
         assert torch.equal(getattr(stats, field), getattr(want_stats, field)), field
@@ -51,7 +50,7 @@ def test_attended_set_has_every_key_at_or_above_t():
     """Recall 1.0 against fp64 scores, the invariant the exactness evaluation checks at scale."""
     cfg = LouverConfig(page_size=16, sample_size=32, policy="budget", budget=0.05)
     q, k, v, table, lens, store = _setup(cfg, seed=3)
-    _, stats, attended = louver_step_attended(q, k, v, table, lens, store, 0.125)
+    _, stats, attended = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, 0.125, attended=True)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         scores = brute_force_scores(q[b], k[table[b, pos // 16] * 16 + pos % 16])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from louver_sgl.decode.step import StepStats
+from louver_sgl.decode.contract import StepStats
 from louver_sgl.serving import telemetry
 from louver_sgl.serving.telemetry import Telemetry
 

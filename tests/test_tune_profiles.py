@@ -188,11 +188,13 @@ def test_backend_resolves_the_profile_for_its_kv_pool(tmp_path, monkeypatch, cap
     from louver_sgl.serving.backend import LouverAttnBackend
 
     monkeypatch.setenv("LOUVER_PROFILE", write(tmp_path, profile_dict()))
-    pool = SimpleNamespace(start_layer=0, get_key_buffer=lambda layer: torch.zeros(128, 3, 64, dtype=torch.float16))
-    runner = SimpleNamespace(tp_size=1, model_config=SimpleNamespace(num_attention_heads=9))
+    buffer = lambda layer: torch.zeros(128, 3, 64, dtype=torch.float16)
+    pool = SimpleNamespace(start_layer=0, get_key_buffer=buffer, get_value_buffer=buffer)
+    runner = SimpleNamespace(tp_size=1, model_config=SimpleNamespace(num_attention_heads=9), page_size=32)
     with caplog.at_level("INFO", logger="louver_sgl.serving"):
-        config, serving = LouverAttnBackend._resolve_options(SimpleNamespace(token_to_kv_pool=pool), runner)
+        config, serving, shapes = LouverAttnBackend._resolve_options(SimpleNamespace(token_to_kv_pool=pool), runner)
     assert config.page_size == 32 and serving.chunk_pages == 16
+    assert (shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim) == (9, 3, 64)
     assert "using profile" in caplog.text
     runner.model_config.num_attention_heads = 6  # another model: the explicit profile must not apply
     with pytest.raises(ProfileError, match="num_q_heads"):

@@ -12,8 +12,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
-from louver_sgl.decode import louver_decode
-from louver_sgl.decode.plan import plan_decode
+from louver_sgl.decode import LouverDecode
 from louver_sgl.profiles.launch import cpu_threads
 
 from .target import StepFn, Target, TimedPoint
@@ -67,10 +66,11 @@ class CpuTarget(Target):
 
     def make_step(self, batch: PagedBatch, store: PageIndexStore, config: LouverConfig,
                   launch: Mapping[str, Any]) -> StepFn:
-        plan = plan_decode(batch.page_table, batch.seq_lens, config)
+        decode = LouverDecode(config, "cpu", launch={"chunk_pages": int(launch["chunk_pages"])})
+        with cpu_threads(int(launch["num_threads"])):  # the plan side is made for this thread count
+            decode.plan(batch.page_table, batch.seq_lens)
 
         def step():
             with cpu_threads(int(launch["num_threads"])):
-                return louver_decode(batch.q, batch.k, batch.v, batch.page_table, batch.seq_lens, store,
-                                     batch.sigma, config, chunk_pages=int(launch["chunk_pages"]), plan=plan)
+                return decode.run(batch.q, batch.k, batch.v, store, batch.sigma, stats=True)
         return step

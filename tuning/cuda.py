@@ -12,7 +12,7 @@ from louver_kernels.triton.launch import TritonLaunch
 from louver_kernels.triton.timing import graph_replay_ms
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
-from louver_sgl.decode.gpu import GpuWorkspace, louver_decode_gpu
+from louver_sgl.decode import HeadShapes, LouverDecode
 
 from .target import StepFn, Target, TimedPoint
 
@@ -42,10 +42,10 @@ class CudaEventTimer:
 
 class CudaTarget(Target):
     """Launch parameters: the ``TritonLaunch`` fields in ``LAUNCH_CHOICES``. The bound family is
-    fixed to the grid (the clustered family has no CUDA kernels) and ``min_sparse_tokens`` to 0."""
+    fixed to the grid (the clustered family has no CUDA kernels)."""
 
     name = "cuda"
-    fixed_config = {"family": ["grid"], "min_sparse_tokens": [0]}
+    fixed_config = {"family": ["grid"]}
     code_layout = "token"  # the Triton kernels read token rows (also when interpreted on CPU)
 
     def __init__(self, repeats: int = 20, warmup: int = 3, device: str = "cuda") -> None:
@@ -72,11 +72,12 @@ class CudaTarget(Target):
         known = {f.name for f in fields(TritonLaunch)}
         triton_launch = TritonLaunch.from_dict({k: v for k, v in launch.items() if k in known})
         q = batch.q.to(batch.k.dtype)
-        workspace = GpuWorkspace.allocate(q.shape[0], batch.page_table.shape[1], q.shape[1], batch.k.shape[1],
-                                          batch.v.shape[2], config, triton_launch, self.device)
+        shapes = HeadShapes(q.shape[1], batch.k.shape[1], batch.k.shape[2], batch.v.shape[2])
+        decode = LouverDecode(config, self.device, impl="triton", launch=triton_launch, shapes=shapes,
+                              max_batch=q.shape[0], max_pages=batch.page_table.shape[1])
+        decode.plan(batch.page_table, batch.seq_lens)  # into the workspace, once: the graph replays the run
         out = torch.empty_like(q)
 
         def step():
-            return louver_decode_gpu(q, batch.k, batch.v, batch.page_table, batch.seq_lens, store, batch.sigma,
-                                     config, triton_launch, workspace, out)
+            return decode.run(q, batch.k, batch.v, store, batch.sigma, out=out, stats=True)
         return step

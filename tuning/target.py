@@ -17,7 +17,7 @@ from optuna.distributions import BaseDistribution
 
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
-from louver_sgl.decode.step import StepStats
+from louver_sgl.decode.contract import StepStats
 from louver_sgl.profiles import device_name, profile_key
 
 StepFn = Callable[[], tuple[torch.Tensor, StepStats]]

@@ -17,9 +17,10 @@ import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import PagedBatch
-from louver_sgl.decode.plan import split_pages
+from louver_sgl.decode.api import resolve_implementation, uses_int8_token_bounds
+from louver_sgl.decode.contract import StepStats
 from louver_sgl.decode.fused import int8_token_bounds_reference
-from louver_sgl.decode.step import StepStats, gates_with_int8_bounds
+from louver_sgl.decode.plan import split_pages
 from louver_sgl.index.numerics import keep_at_least
 
 # fp32 step vs fp64 reference: a relative allowance on max||v|| for accumulation rounding.
@@ -31,21 +32,23 @@ class ConstraintViolation(Exception):
 
 
 def check_step(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
-               stats: StepStats) -> None:
+               stats: StepStats, impl: str = "auto") -> None:
     """Raise ``ConstraintViolation`` naming the request and the broken constraint.
 
     Args:
         batch: q ``[B, H_q, D]``, paged k/v ``[slots, H_kv, D]``, page_table ``[B, pages]``, seq_lens ``[B]``.
         out: the step's output ``[B, H_q, D]``; stats: its ``StepStats`` (threshold, mass_bound ``[B, H_q]``).
+        impl: the decode implementation that ran the step (``auto``: the one ``LouverDecode`` picks).
     """
     if config.policy == "certified" and not bool((stats.mass_bound.cpu() < config.eps).all()):
         raise ConstraintViolation(f"certified bound {float(stats.mass_bound.max()):.3g} >= eps {config.eps}")
+    int8 = uses_int8_token_bounds(resolve_implementation(impl, config, batch.k.device))
     for b in range(batch.q.shape[0]):
-        _check_request(batch, store, config, out, stats, b)
+        _check_request(batch, store, config, out, stats, b, int8)
 
 
 def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
-                   stats: StepStats, b: int) -> None:
+                   stats: StepStats, b: int, int8: bool) -> None:
     size, n = config.page_size, int(batch.seq_lens[b])
     pos = torch.arange(n)
     slots = batch.page_table[b].cpu().long()[pos // size] * size + pos % size
@@ -54,8 +57,7 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
     groups = q.shape[0] // keys.shape[1]
     scores = torch.einsum("hd,nhd->hn", q.double(), keys.double().repeat_interleave(groups, 1))  # [H_q, n]
     threshold = stats.threshold[b].cpu()
-    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold,
-                     gates_with_int8_bounds(store))  # [H_q, n] or None
+    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold, int8)  # [H_q, n] or None
     attended = torch.ones_like(scores, dtype=torch.bool)
     if passed is not None and not bool(stats.dense_fallback[b]):
         indexed = passed[1]

@@ -82,6 +82,12 @@ def resolve_implementation(impl: str, config: LouverConfig, device: torch.device
     return impl
 
 
+def uses_int8_token_bounds(impl: str) -> bool:
+    """Whether implementation ``impl`` gates tokens and certifies T with the int8 token bounds
+    (``fused.int8_token_bounds_reference``) rather than the store's fp32 ones."""
+    return implementation(impl).int8_token_bounds
+
+
 def _auto(config: LouverConfig, device: torch.device) -> str:
     if device.type == "cuda":
         return "triton"

@@ -69,6 +69,7 @@ class CpuDecode(DecodeImplementation):
     """The compiled CPU kernels (grid family, CPU tensors): one compiled call per layer and step."""
 
     name = "cpu"
+    int8_token_bounds = True
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)

@@ -123,6 +123,7 @@ class TritonDecode(DecodeImplementation):
 
     name = "triton"
     returns_attended = True
+    int8_token_bounds = True
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)

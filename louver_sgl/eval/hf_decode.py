@@ -19,10 +19,9 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import LouverConfig
+from ..decode import LouverDecode, StepStats
 from ..decode.baselines import baseline_attended, masked_attention
-from ..decode.step import StepStats
 from ..index.store import PageIndexStore
-from .attended import louver_step_attended
 
 ATTN_NAME = "louver_eval"
 PREFILL_CHUNK = 1024
@@ -81,15 +80,16 @@ class DecodePolicy(Protocol):
 
 
 class LouverPolicy:
-    """The louver step (torch path, ``louver_step_attended``) with ``config``'s policy."""
+    """The louver step (the ``torch`` implementation, which returns the attended set) with
+    ``config``'s policy."""
 
     def __init__(self, config: LouverConfig) -> None:
         self.config = config
 
     def decode(self, q, kv: LayerKV, sigma):
         table = torch.arange(kv.store.num_pages)[None]
-        out, stats, attended = louver_step_attended(
-            q[None], kv.k, kv.v, table, torch.tensor([kv.length]), kv.store, sigma, self.config)
+        decode = LouverDecode(self.config, impl="torch").plan(table, torch.tensor([kv.length]))
+        out, stats, attended = decode.run(q[None], kv.k, kv.v, kv.store, sigma, attended=True)
         return out[0].float(), StepRecord(attended[0], stats)
 
 

@@ -14,9 +14,9 @@ import torch
 
 from ..config import LouverConfig
 from ..data.paged import paged_batch
+from ..decode import LouverDecode
 from ..decode.baselines import baseline_attended, masked_attention
 from ..index.store import PageIndexStore
-from .attended import louver_step_attended
 from .policies import louver_config
 
 
@@ -50,7 +50,8 @@ def _louver_sets(pb, config: LouverConfig) -> tuple[list[torch.Tensor], torch.Te
     """Attended masks of the louver step and its mass bound ``[B, H_q]``."""
     store = PageIndexStore(config, len(pb.k) // config.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
     store.build_pages(pb.k, torch.arange(store.num_pages))
-    _, stats, attended = louver_step_attended(pb.q, pb.k, pb.v, pb.page_table, pb.seq_lens, store, pb.sigma, config)
+    decode = LouverDecode(config, impl="torch").plan(pb.page_table, pb.seq_lens)
+    _, stats, attended = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, attended=True)
     return attended, stats.mass_bound
 
 

@@ -64,9 +64,6 @@ class PageIndexStore:
         self.code_bytes = _code_bytes(config, head_dim)
         self.code_layout = _code_layout(config, self.code_bytes, self.on_cpu, code_layout)
         self.tensors = _allocate(config, num_pages, num_kv_heads, head_dim, kv_dtype, device, self.code_layout)
-        # compiled decode steps of the layers this index serves (louver_decode's fast path; keyed
-        # by the step's KV caches, config, scale, backend and split; each entry keeps its caches)
-        self.compiled_steps: dict = {}
 
     @property
     def page_size(self) -> int:

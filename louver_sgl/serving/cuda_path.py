@@ -1,17 +1,18 @@
 """The louver decode step inside SGLang on CUDA, with address-stable buffers for decode graphs.
 
 SGLang captures one decode graph per batch size and replays it with new metadata. Everything
-here that runs per step is a static-shape device op on buffers allocated once: the page table is
-gathered from ``req_to_token`` on the device, the page a decode step completes is built by a
-fixed-size Triton build (placeholder ids are skipped), and the decode kernels read the sequence
-lengths on the device. Nothing reads a device value on the host, so the same calls run eagerly
-and under capture.
+here that runs per step is a static-shape device op: the page table is gathered from
+``req_to_token`` on the device and planned into the graph wrapper's workspace (allocated once for
+the graphs' largest batch), the page a decode step completes is built by a fixed-size Triton build
+(placeholder ids are skipped), and the decode kernels read the sequence lengths on the device.
+Nothing reads a device value on the host, so the same calls run eagerly and under capture.
+Batches outside the graphs (eager forwards, larger batches) plan into a second wrapper whose
+workspace grows as needed, so the graphs' buffers never move.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,7 @@ from louver_kernels.triton.grid_build import grid_build
 from louver_kernels.triton.launch import TritonLaunch
 
 from ..config import LouverConfig
-from ..decode.gpu import GpuWorkspace, louver_decode_gpu
+from ..decode import HeadShapes, LouverDecode
 from ..index.store import PageIndexStore
 
 
@@ -30,53 +31,33 @@ def cuda_launch(profile) -> TritonLaunch:
     return TritonLaunch.from_dict(profile.launch)
 
 
-@dataclass
-class GraphBuffers:
-    """Per-step device metadata for up to ``max_bs`` requests.
-
-    page_table ``[max_bs, max_pages]`` int32; seq_lens ``[max_bs]`` int32; build_ids
-    ``[max_bs]`` int64 (page completed by this step per request, −1 for none).
-    """
-
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    build_ids: torch.Tensor
-    workspace: GpuWorkspace
-
-    @property
-    def max_bs(self) -> int:
-        return self.seq_lens.shape[0]
-
-
 class CudaDecodePath:
     """Graph-safe metadata, page builds and decode steps of the louver backend on CUDA."""
 
-    def __init__(self, config: LouverConfig, launch: TritonLaunch, max_context: int, heads_q: int,
-                 heads_kv: int, head_dim_v: int, device) -> None:
+    def __init__(self, config: LouverConfig, launch: TritonLaunch, max_context: int, shapes: HeadShapes,
+                 device, impl: str = "triton") -> None:
         if config.family != "grid":
             raise ValueError("the CUDA decode path runs the grid family")
-        self.config, self.launch = config, launch
+        self.config, self.launch, self.shapes, self.impl = config, launch, shapes, impl
         self.page_size = config.page_size
         self.max_pages = math.ceil(max_context / self.page_size)
-        self.heads_q, self.heads_kv, self.head_dim_v = heads_q, heads_kv, head_dim_v
         self.device = torch.device(device)
-        self.buffers: GraphBuffers | None = None
+        self.eager = LouverDecode(config, self.device, impl=impl, launch=launch, shapes=shapes)
+        self.graph: LouverDecode | None = None
+        self.active = self.eager
+        self.build_ids: torch.Tensor | None = None
 
-    def init_graph_state(self, max_bs: int) -> GraphBuffers:
-        """Allocate (once, or larger) the buffers every captured graph points into."""
-        if self.buffers is None or self.buffers.max_bs < max_bs:
-            dev = self.device
-            self.buffers = GraphBuffers(
-                page_table=torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=dev),
-                seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-                build_ids=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-                workspace=GpuWorkspace.allocate(max_bs, self.max_pages, self.heads_q, self.heads_kv,
-                                                self.head_dim_v, self.config, self.launch, dev),
-            )
-        return self.buffers
+    def init_graph_state(self, max_bs: int) -> None:
+        """The graph wrapper for batches up to ``max_bs`` (its workspace allocated here, once)."""
+        if self.graph is None or self.graph.impl.capacity.max_batch < max_bs:
+            self.graph = LouverDecode(self.config, self.device, impl=self.impl, launch=self.launch,
+                                      shapes=self.shapes, max_batch=max_bs, max_pages=self.max_pages)
+            self.build_ids = torch.full((max_bs,), -1, dtype=torch.int64, device=self.device)
 
-    def prepare(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> int:
-        """Fill the page table and lengths of a decode batch (static-shape device ops).
+    def prepare(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                in_graph: bool) -> int:
+        """Plan a decode batch (static-shape device ops) into the graph wrapper (``in_graph``) or
+        the eager one.
 
         Args:
             req_to_token: ``[max_reqs, max_context]`` int32 slot of every position of every request.
@@ -84,11 +65,12 @@ class CudaDecodePath:
         Returns the batch size.
         """
         bs = seq_lens.shape[0]
-        buf = self.init_graph_state(bs)
+        if in_graph:
+            self.init_graph_state(bs)
+        self.active = self.graph if in_graph else self.eager
         size = self.page_size
         first_slots = req_to_token[req_pool_indices.long(), : self.max_pages * size : size]
-        buf.page_table[:bs, : first_slots.shape[1]].copy_(torch.div(first_slots, size, rounding_mode="floor"))
-        buf.seq_lens[:bs].copy_(seq_lens)
+        self.active.plan(torch.div(first_slots, size, rounding_mode="floor"), seq_lens)
         return bs
 
     def build_completed(self, store: PageIndexStore, k_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -98,7 +80,10 @@ class CudaDecodePath:
         out_cache_loc ``[bs]`` slot written per request; seq_lens ``[bs]`` lengths including it.
         """
         bs = seq_lens.shape[0]
-        ids = self.buffers.build_ids[:bs]
+        if self.active is self.graph:  # the graphs' own buffer (its address is captured)
+            ids = self.build_ids[:bs]
+        else:
+            ids = torch.empty(bs, dtype=torch.int64, device=self.device)
         done = torch.remainder(seq_lens, self.page_size) == 0
         page = torch.div(out_cache_loc.long(), self.page_size, rounding_mode="floor")
         torch.where(done, page, torch.full_like(page, -1), out=ids)
@@ -109,9 +94,6 @@ class CudaDecodePath:
                    self.config.grid_bits, self.launch)
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, store: PageIndexStore,
-               sigma: float, out: torch.Tensor, bs: int) -> torch.Tensor:
+               sigma: float, out: torch.Tensor) -> torch.Tensor:
         """One louver step for the prepared batch: q ``[bs, H_q, D]`` -> ``out`` ``[bs, H_q, D_v]``."""
-        buf = self.buffers
-        louver_decode_gpu(q, k_buffer, v_buffer, buf.page_table[:bs], buf.seq_lens[:bs], store, sigma,
-                          self.config, self.launch, buf.workspace, out, with_stats=False)
-        return out
+        return self.active.run(q, k_buffer, v_buffer, store, sigma, out=out)

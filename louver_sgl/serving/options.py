@@ -35,6 +35,9 @@ class ServingOptions:
     huge_pages: move a CPU KV pool onto transparent huge pages at startup (~4 ms per MiB, once;
         the index always asks for them). The step reads rows scattered over the pool, and with
         4 KiB pages nearly each read also misses the TLB (``louver_sgl.memory``).
+    extend_backend: the SGLang attention backend that runs prefill/extend (dense), e.g.
+        ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
+        choice for the device (``serving.extend``).
 
     Launch parameters of tuned profiles are fields of this class.
     """
@@ -43,6 +46,7 @@ class ServingOptions:
     num_threads: int = 0
     log_interval: int = 0
     huge_pages: bool = True
+    extend_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
@@ -53,6 +57,8 @@ class ServingOptions:
             raise ValueError(f"log_interval must be a non-negative int, got {self.log_interval!r}")
         if not isinstance(self.huge_pages, bool):
             raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
+        if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():
+            raise ValueError(f"extend_backend must be a backend name or 'auto', got {self.extend_backend!r}")
 
 
 def load_options(environ: Mapping[str, str] | None = None,

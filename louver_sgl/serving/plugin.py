@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .names import BACKEND_NAME
+
 logger = logging.getLogger("louver_sgl.serving")
-BACKEND_NAME = "louver"
 _registered = False
 
 

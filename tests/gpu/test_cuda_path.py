@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
-from louver_sgl.decode.gpu import louver_decode_gpu  # noqa: E402
+from louver_sgl.decode import HeadShapes, louver_decode  # noqa: E402
 from louver_sgl.index import grid  # noqa: E402
 from louver_sgl.serving.cuda_path import CudaDecodePath  # noqa: E402
 
@@ -45,19 +45,25 @@ def test_prepare_decode_and_address_stability():
     store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE, code_layout="token")
     store.build_pages(k.cpu(), torch.arange(store.num_pages)) if DEVICE == "cpu" else \
         store.build_pages(k, torch.arange(store.num_pages, device=DEVICE))
-    path = CudaDecodePath(config, TritonLaunch(pages_per_split=4), 256, 6, 2, 64, DEVICE)
+    path = CudaDecodePath(config, TritonLaunch(pages_per_split=4), 256, HeadShapes(6, 2, 64, 64), DEVICE)
     path.init_graph_state(8)
-    addresses = (path.buffers.page_table.data_ptr(), path.buffers.workspace.o.data_ptr())
-    bs = path.prepare(req_to_token, rows, lens)
-    assert bs == 3 and (path.buffers.page_table.data_ptr(), path.buffers.workspace.o.data_ptr()) == addresses
+    workspace = path.graph.impl.workspace
+    addresses = (workspace.page_table.data_ptr(), workspace.o.data_ptr())
+    bs = path.prepare(req_to_token, rows, lens, in_graph=True)
+    assert bs == 3 and (workspace.page_table.data_ptr(), workspace.o.data_ptr()) == addresses
     want_table = (req_to_token[rows.long(), ::P] // P)
-    assert torch.equal(path.buffers.page_table[:3, : want_table.shape[1]].long(), want_table.long())
+    assert torch.equal(workspace.page_table[:3, : want_table.shape[1]].long(), want_table.long())
     q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
     out = torch.empty_like(q)
-    path.decode(q, k, v, store, 0.125, out, bs)
-    direct, _ = louver_decode_gpu(q, k, v, want_table.int(), lens, store, 0.125, config,
-                                  TritonLaunch(pages_per_split=4))
+    path.decode(q, k, v, store, 0.125, out)
+    direct, _ = louver_decode(q, k, v, want_table.int(), lens, store, 0.125, config, impl="triton",
+                              launch=TritonLaunch(pages_per_split=4))
     torch.testing.assert_close(out, direct, atol=0, rtol=0)
+    eager = torch.empty_like(q)  # a batch outside the graphs plans into its own workspace
+    path.prepare(req_to_token, rows, lens, in_graph=False)
+    path.decode(q, k, v, store, 0.125, eager)
+    assert workspace.o.data_ptr() == addresses[1] and path.eager.impl.workspace is not workspace
+    torch.testing.assert_close(eager, direct, atol=0, rtol=0)
 
 
 def test_build_completed_builds_only_finished_pages():
@@ -65,7 +71,7 @@ def test_build_completed_builds_only_finished_pages():
     lens = torch.tensor([32, 33, 48], dtype=torch.int32, device=DEVICE)  # requests 0 and 2 finish a page
     k, v, req_to_token, rows = _pool(lens.tolist())
     store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE, code_layout="token")
-    path = CudaDecodePath(config, TritonLaunch(), 256, 6, 2, 64, DEVICE)
+    path = CudaDecodePath(config, TritonLaunch(), 256, HeadShapes(6, 2, 64, 64), DEVICE)
     path.init_graph_state(4)
     last = req_to_token[rows.long(), (lens - 1).long()]
     path.build_completed(store, k, last, lens)

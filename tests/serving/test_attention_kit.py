@@ -40,3 +40,48 @@ def test_kit_case(case, policy, dense_pages, monkeypatch):
     monkeypatch.setenv("LOUVER_RECENT_PAGES", dense_pages)
     with torch.no_grad():
         kit.run_dense_attention_case(_Case(), case, device="cpu", dtype=torch.float32)
+
+
+def test_extend_runs_in_the_named_sglang_backend(monkeypatch):
+    """Prefill goes to the backend ``LOUVER_EXTEND_BACKEND`` names (here a recording subclass of
+    torch_native registered under its own name), which writes K/V; louver builds the pages it
+    completed, and the output is the kit's dense reference."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from louver_sgl.serving import backend as backend_module
+
+    calls = []
+
+    class Recording(TorchNativeAttnBackend):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            calls.append(layer.layer_id)
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "louver_test_recording", Recording)
+    monkeypatch.setenv("LOUVER_EXTEND_BACKEND", "louver_test_recording")
+    built = []
+    real_build = backend_module.ServingIndex.build
+
+    def build(self, layer_id, page_ids):
+        built.append(int(page_ids.numel()))
+        return real_build(self, layer_id, page_ids)
+
+    monkeypatch.setattr(backend_module.ServingIndex, "build", build)
+    case = kit.DenseAttentionCase(name="extend", backend="louver", forward_mode=ForwardMode.EXTEND, num_heads=4,
+                                  num_kv_heads=2, page_size=16, prefix_lens=(0, 40), extend_lens=(70, 33))
+    with torch.no_grad():
+        kit.run_dense_attention_case(_Case(), case, device="cpu", dtype=torch.float32, max_context_len=128)
+    assert calls, "the named extend backend did not run"
+    assert sum(built) >= 4 + 2  # pages completed by the extend: 70 // 16 and (40 + 33) // 16 - 40 // 16
+
+
+def test_an_unknown_extend_backend_is_refused(monkeypatch):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    monkeypatch.setenv("LOUVER_EXTEND_BACKEND", "no_such_backend")
+    case = kit.DenseAttentionCase(name="extend", backend="louver", forward_mode=ForwardMode.EXTEND, num_heads=4,
+                                  num_kv_heads=2, page_size=16, prefix_lens=(0,), extend_lens=(20,))
+    with pytest.raises(ValueError, match="LOUVER_EXTEND_BACKEND='no_such_backend' is not a registered"):
+        kit.run_dense_attention_case(_Case(), case, device="cpu", dtype=torch.float32)

@@ -13,6 +13,7 @@ import unittest
 import pytest
 import torch
 
+from louver_sgl.decode import api
 from louver_sgl.decode.reference import reference_decode
 from louver_sgl.serving import backend as backend_module
 from louver_sgl.serving.plugin import register
@@ -41,13 +42,15 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
         monkeypatch.setenv(key, value)
     calls = []
 
-    def recording(*args, **kwargs):
-        out, stats = real(*args, **kwargs)
-        calls.append((args, kwargs, out.clone(), stats))
+    def recording(self, q, k_cache, v_cache, store, sigma, **kwargs):
+        out, stats = real(self, q, k_cache, v_cache, store, sigma, **kwargs)
+        plan = self._plan
+        calls.append(((q, k_cache, v_cache, plan.page_table, plan.seq_lens, store, sigma, self.config),
+                      out.clone(), stats))
         return out, stats
 
-    real = backend_module.louver_decode
-    monkeypatch.setattr(backend_module, "louver_decode", recording)
+    real = api.LouverDecode.run
+    monkeypatch.setattr(api.LouverDecode, "run", recording)
     case = kit.DenseAttentionCase(name="sparse_decode", backend="louver", forward_mode=ForwardMode.DECODE,
                                   num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(100, 250, 37))
     with torch.no_grad():
@@ -55,7 +58,7 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
                                                     max_context_len=512)
         kit.run_dense_fixture_eager(fixture)
     assert calls, "the backend did not run the louver decode step"
-    for args, kwargs, out, stats in calls:
+    for args, out, stats in calls:
         q, k_cache, v_cache, page_table, seq_lens, store, sigma, config = args
         want, info = reference_decode(q, k_cache, v_cache, page_table, seq_lens, store, sigma, config)
         # certified steps attend every candidate and the compiled int8 bounds may add a few (each

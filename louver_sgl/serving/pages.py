@@ -1,0 +1,78 @@
+"""The page index of a server: one ``PageIndexStore`` per layer beside SGLang's KV pool.
+
+Stores are indexed by page id (= slot // page_size), so a request whose prefix matched in the
+radix cache reads the pages' index already built by the first request. Lifecycle: any write into
+a page invalidates its index; a page is built when it becomes full inside the forward that fills
+it; a full page found unbuilt when read (written outside the backend, or refilled after it was
+freed) is built then and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import LouverConfig
+from ..index.store import PageIndexStore
+
+logger = logging.getLogger("louver_sgl.serving")
+
+
+class ServingIndex:
+    """The index stores of every layer of a KV pool, and which pages are built."""
+
+    def __init__(self, config: LouverConfig, pool, page_size: int) -> None:
+        self.config, self.pool, self.page_size = config, pool, page_size
+        self.stores: dict[int, PageIndexStore] = {}
+        self.built: dict[int, torch.Tensor] = {}
+        self.pages_rebuilt_on_read = 0  # on the first layer (one count per page)
+        self.first_layer = getattr(pool, "start_layer", 0) or 0
+
+    def store(self, layer_id: int) -> PageIndexStore:
+        store = self.stores.get(layer_id)
+        if store is None:
+            k_buffer = self.pool.get_key_buffer(layer_id)
+            num_pages = k_buffer.shape[0] // self.page_size
+            store = PageIndexStore(self.config, num_pages, k_buffer.shape[1], k_buffer.shape[2], k_buffer.dtype,
+                                   k_buffer.device)
+            self.stores[layer_id] = store
+            self.built[layer_id] = torch.zeros(num_pages, dtype=torch.bool, device=k_buffer.device)
+        return store
+
+    def build(self, layer_id: int, page_ids: torch.Tensor) -> None:
+        """Build pages ``page_ids`` ``[n]`` of layer ``layer_id`` from the pool's keys (host sync)."""
+        if page_ids.numel() == 0:
+            return
+        page_ids = torch.unique(page_ids.long())
+        self.store(layer_id).build_pages(self.pool.get_key_buffer(layer_id), page_ids)
+        self.built[layer_id][page_ids] = True
+
+    def invalidate(self, layer_id: int, slots: torch.Tensor) -> None:
+        """Mark the pages of ``slots`` ``[n]`` as unbuilt (they were just written)."""
+        self.store(layer_id)
+        self.built[layer_id][slots.long() // self.page_size] = False
+
+    def build_unbuilt(self, layer_id: int, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Build full pages of a decode batch that are read but not built."""
+        self.store(layer_id)
+        full = torch.arange(page_table.shape[1])[None, :] < (seq_lens // self.page_size)[:, None]
+        needed = page_table[full]
+        missing = needed[~self.built[layer_id][needed]]
+        if missing.numel():
+            if layer_id == self.first_layer:
+                self.pages_rebuilt_on_read += int(missing.numel())
+            self.build(layer_id, missing)
+
+    def log_memory_estimate(self) -> None:
+        """Log the index memory of every layer against the KV pool's."""
+        pool = self.pool
+        try:
+            k = pool.get_key_buffer(self.first_layer)
+            probe = PageIndexStore(self.config, 1, k.shape[1], k.shape[2], k.dtype)
+            per_layer = probe.bytes_per_token_head() * k.shape[1] * k.shape[0]
+            kv_per_layer = 2 * k.numel() * k.element_size()
+            logger.info("louver: index memory %.1f MiB (%.1f%% of the KV pool) over %d layers",
+                        per_layer * pool.layer_num / 2**20, 100 * per_layer / kv_per_layer, pool.layer_num)
+        except Exception as exc:  # an estimate only; never block startup on it
+            logger.debug("louver: no index memory estimate (%s)", exc)
