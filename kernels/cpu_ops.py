@@ -1,9 +1,9 @@
 """Loader of the compiled CPU kernels (torch cpp_extension, built once per CPU and cached).
 
-The build happens on first use (about half a minute on two cores) and is cached under
-``$LOUVER_KERNEL_CACHE`` (default ``~/.cache/louver_sgl/kernels``), keyed by the source hash and
-the CPU model and its instruction-set flags because the code is compiled for the host's
-instruction set.
+The build happens on first use (about two minutes on two cores) and is cached in the caller's
+directory (louver_sgl passes ``LOUVER_KERNEL_CACHE``, default ``~/.cache/louver_sgl/kernels``),
+keyed by the source hash and the CPU model and its instruction-set flags because the code is
+compiled for the host's instruction set.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
@@ -44,22 +43,24 @@ def _cpu_flags() -> str:
     return _cpuinfo_field("flags") or ""
 
 
-def _build_dir() -> Path:
+def _build_dir(cache_dir: Path) -> Path:
     # the model name alone does not identify the instruction set: virtual machines report
     # "AMD EPYC" for CPUs with and without AVX-512
     digest = hashlib.sha256(cpu_model_name().encode() + _cpu_flags().encode())
     for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
-    root = Path(os.environ.get("LOUVER_KERNEL_CACHE", Path.home() / ".cache" / "louver_sgl" / "kernels"))
-    path = root / f"grid_decode_{key}"
+    path = Path(cache_dir) / f"grid_decode_{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
+DEFAULT_CACHE = Path.home() / ".cache" / "louver_sgl" / "kernels"
+
+
 @functools.cache
-def load_cpu_ops():
-    """The compiled module (ops: see kernels/cpu/module.cpp)."""
+def load_cpu_ops(cache_dir: Path = DEFAULT_CACHE):
+    """The compiled module (ops: see kernels/cpu/module.cpp), built into or loaded from ``cache_dir``."""
     from torch.utils import cpp_extension
 
     logger.info("loading louver CPU kernels (compiles on first use)")
@@ -68,18 +69,19 @@ def load_cpu_ops():
         sources=[str(p) for p in _sources()],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-DAT_PARALLEL_OPENMP=1"],
         extra_ldflags=["-fopenmp"],
-        build_directory=str(_build_dir()),
+        build_directory=str(_build_dir(cache_dir)),
         verbose=False,
     )
 
 
 @functools.cache
-def cpu_ops_available() -> bool:
-    """True when the CPU kernels compile and load here (False, logged once, otherwise)."""
-    if os.environ.get("LOUVER_DISABLE_CPU_KERNELS") == "1":
+def cpu_ops_available(cache_dir: Path = DEFAULT_CACHE, disabled: bool = False) -> bool:
+    """True when the CPU kernels compile and load here (False, logged once, otherwise);
+    ``disabled``: never build them."""
+    if disabled:
         return False
     try:
-        load_cpu_ops()
+        load_cpu_ops(cache_dir)
         return True
     except Exception as exc:  # a missing compiler must not break the torch path
         logger.warning("louver CPU kernels unavailable, using the torch path: %s", exc)

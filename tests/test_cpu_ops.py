@@ -12,16 +12,15 @@ from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.contract import EDGES, VALUE_GATE, StepStats
 from louver_sgl.decode.fused import (
-    chunk_totals_reference, compiled_exact_part, int8_token_bounds_reference, merge_reference, step_stats_reference,
+    chunk_totals_reference, compiled_exact_part, compiled_ops, int8_token_bounds_reference, merge_reference, step_stats_reference,
 )
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.step import exact_part
 from louver_sgl.decode.threshold import certified_choice as certified_threshold_reference
 
-ops_module = pytest.importorskip("louver_kernels.cpu_ops")
-if not ops_module.cpu_ops_available():
+OPS = compiled_ops()
+if OPS is None:
     pytest.skip("compiled CPU kernels unavailable", allow_module_level=True)
-OPS = ops_module.load_cpu_ops()
 LENS = [300, 700, 20, 64, 129, 1]
 
 

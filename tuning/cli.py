@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from pathlib import Path
 
 from louver_sgl.profiles import Profile, ProfileError, find_profiles, profile_key
+from louver_sgl.settings import Environment
 
 from .report import importances, results_table, write_plots
 from .storage import DEFAULT_STORAGE
@@ -22,7 +22,7 @@ DEFAULT_OUT_DIR = "louver-profiles"
 
 
 def _study_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--storage", default=os.environ.get("LOUVER_TUNE_STORAGE", DEFAULT_STORAGE),
+    parser.add_argument("--storage", default=Environment.read().tune_storage or DEFAULT_STORAGE,
                         help="RDB URL (sqlite:///f.db, postgresql://...) or journal:PATH (default %(default)s)")
     parser.add_argument("--study-name", help="default: <device key>-<shapes>-<policy>-<space>")
 

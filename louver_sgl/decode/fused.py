@@ -23,6 +23,7 @@ import torch
 from ..config import LouverConfig
 from ..index.grid import unpack_codes
 from ..index.store import PageIndexStore
+from ..settings import Environment
 from . import threshold as th
 from .contract import (
     EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values,
@@ -59,10 +60,14 @@ class CpuLaunch:
 
 @functools.cache
 def compiled_ops():
-    """The compiled CPU module, or None where it does not build here (resolved once)."""
+    """The compiled CPU module, or None where it does not build here (resolved once; the cache
+    directory and the off switch are ``LOUVER_KERNEL_CACHE`` and ``LOUVER_DISABLE_CPU_KERNELS``)."""
     from louver_kernels.cpu_ops import cpu_ops_available, load_cpu_ops
 
-    return load_cpu_ops() if cpu_ops_available() else None
+    env = Environment.read()
+    if not cpu_ops_available(env.kernel_cache_dir, env.disable_cpu_kernels):
+        return None
+    return load_cpu_ops(env.kernel_cache_dir)
 
 
 class CpuDecode(DecodeImplementation):

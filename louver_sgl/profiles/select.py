@@ -10,11 +10,11 @@ defaults are used, so a server on new hardware or a new model still starts.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..settings import Environment
 from .device import device_name, profile_key
 from .format import Profile, ProfileError, Shapes
 
@@ -34,8 +34,7 @@ class Selection:
 
 def search_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
     """Directories searched for ``<device key>.json``, highest priority first."""
-    environ = os.environ if environ is None else environ
-    user = environ.get(PROFILE_DIR_ENV)
+    user = Environment.read(environ).profile_dir
     return ([Path(user)] if user else []) + [SHIPPED_DIR]
 
 
@@ -47,8 +46,7 @@ def find_profiles(environ: Mapping[str, str] | None = None) -> list[Path]:
 def select_profile(target: str, shapes: Shapes, version: str, environ: Mapping[str, str] | None = None,
                    raw_device_name: str | None = None) -> Selection:
     """The profile for this device and model; raises ``ProfileError`` only for an explicit one."""
-    environ = os.environ if environ is None else environ
-    explicit = environ.get(PROFILE_ENV, "").strip()
+    explicit = (Environment.read(environ).profile or "").strip()
     if explicit.lower() in DISABLED:
         return Selection(None, f"louver: {PROFILE_ENV}={explicit}: using the built-in defaults")
     if explicit:

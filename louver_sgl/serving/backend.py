@@ -27,6 +27,7 @@ from ..decode import HeadShapes, LouverDecode
 from ..memory import advise_huge_pages
 from ..profiles import Shapes
 from ..profiles.launch import cpu_threads
+from ..settings import Environment
 from .extend import make_extend_backend
 from .options import resolve_options
 from .pages import ServingIndex
@@ -64,7 +65,8 @@ class LouverAttnBackend(AttentionBackend):
         self.index.log_memory_estimate()
         server_args = getattr(model_runner, "server_args", None)
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
-        self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)))
+        self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)),
+                                   Environment.read().stats_file)
         if serving.huge_pages:
             self._pool_on_huge_pages()
         self._planned_for = None  # (forward_batch, seq_lens, page table) the CPU wrapper is planned for

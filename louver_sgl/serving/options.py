@@ -13,67 +13,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import LouverConfig
 from ..profiles import PROFILE_ENV, Profile, ProfileError, Selection, Shapes, select_profile
+from ..settings import ENV_PREFIX, OPTION_FIELDS, Environment, ServingOptions  # noqa: F401 (re-exported)
 
-ENV_PREFIX = "LOUVER_"
 _CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(LouverConfig))
 CONFIG_FILE_ENV = "LOUVER_CONFIG"
-
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """Options of the SGLang backend that are not index or threshold settings.
-
-    chunk_pages: pages per split of the compiled CPU kernel (a launch parameter).
-    num_threads: torch threads of the CPU decode step (a launch parameter; 0: leave torch's count).
-    log_interval: decode steps between telemetry log lines (0: SGLang's decode-log interval).
-    huge_pages: move a CPU KV pool onto transparent huge pages at startup (~4 ms per MiB, once;
-        the index always asks for them). The step reads rows scattered over the pool, and with
-        4 KiB pages nearly each read also misses the TLB (``louver_sgl.memory``).
-    extend_backend: the SGLang attention backend that runs prefill/extend (dense), e.g.
-        ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
-        choice for the device (``serving.extend``).
-
-    Launch parameters of tuned profiles are fields of this class.
-    """
-
-    chunk_pages: int = 64
-    num_threads: int = 0
-    log_interval: int = 0
-    huge_pages: bool = True
-    extend_backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
-            raise ValueError(f"chunk_pages must be a positive int, got {self.chunk_pages!r}")
-        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 0:
-            raise ValueError(f"num_threads must be a non-negative int, got {self.num_threads!r}")
-        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
-            raise ValueError(f"log_interval must be a non-negative int, got {self.log_interval!r}")
-        if not isinstance(self.huge_pages, bool):
-            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
-        if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():
-            raise ValueError(f"extend_backend must be a backend name or 'auto', got {self.extend_backend!r}")
 
 
 def load_options(environ: Mapping[str, str] | None = None,
                  profile: Profile | None = None) -> tuple[LouverConfig, ServingOptions]:
     """Resolve the backend options; raises ``ValueError`` naming the bad option or file."""
-    environ = os.environ if environ is None else environ
+    env = Environment.read(environ)
     values: dict[str, Any] = profile_values(profile) if profile is not None else {}
-    path = environ.get(CONFIG_FILE_ENV)
-    if path:
-        values.update(_read_json(Path(path)))
-    for cls in (LouverConfig, ServingOptions):
-        for field in dataclasses.fields(cls):
-            raw = environ.get(ENV_PREFIX + field.name.upper())
-            if raw is not None:
-                values[field.name] = _parse(field.name, raw, field.default)
+    if env.config_file:
+        values.update(_read_json(Path(env.config_file)))
+    for name, raw in env.options.items():
+        values[name] = _parse(name, raw, OPTION_FIELDS[name].default)
     config_keys = {f.name for f in dataclasses.fields(LouverConfig)}
     serving_keys = {f.name for f in dataclasses.fields(ServingOptions)}
     unknown = sorted(set(values) - config_keys - serving_keys)
@@ -94,6 +53,7 @@ def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | No
     from .. import __version__
 
     environ = os.environ if environ is None else environ
+    explicit_profile = bool((Environment.read(environ).profile or "").strip())
     selection = select_profile(target, shapes, __version__, environ, raw_device_name)
     if selection.profile is not None:
         try:
@@ -101,7 +61,7 @@ def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | No
             LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
             ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
         except (TypeError, ValueError) as exc:
-            if environ.get(PROFILE_ENV, "").strip():
+            if explicit_profile:
                 raise ProfileError(f"{PROFILE_ENV}: {exc}") from exc
             selection = Selection(None, f"louver: profile {selection.profile.path} rejected ({exc}); "
                                         "using the built-in defaults")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +39,7 @@ class Telemetry:
 
     interval: int
     enable_metrics: bool = False
+    stats_file: str | None = None  # LOUVER_STATS_FILE
     decode_forwards: int = 0
     pages_built: int = 0
     pages_reused: int = 0
@@ -82,7 +82,7 @@ class Telemetry:
 
     def dump(self) -> None:
         """Write the running totals to ``$LOUVER_STATS_FILE`` (for tests and benchmarks; off by default)."""
-        path = os.environ.get("LOUVER_STATS_FILE")
+        path = self.stats_file
         if not path:
             return
         totals = {"decode_forwards": self.decode_forwards, "pages_built": self.pages_built,

@@ -115,3 +115,20 @@ def _reference_rope(x, positions, freqs, is_neox, heads, size):
     a, b = x[..., ::2], x[..., 1::2]
     out = torch.stack([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
     return out.reshape(len(positions), -1)
+
+
+def test_every_louver_variable_is_read_in_one_place():
+    """``Environment.read`` knows every LOUVER_* variable: options by name, the others as fields;
+    a misspelt one fails naming it with the closest known name, and so does a bad flag."""
+    from louver_sgl.settings import Environment
+
+    env = Environment.read({"LOUVER_EPS": "1e-2", "LOUVER_STATS_FILE": "/tmp/s.json", "LOUVER_KERNEL_CACHE": "/k",
+                            "LOUVER_DISABLE_CPU_KERNELS": "1", "LOUVER_EXTEND_BACKEND": "torch_native", "PATH": "x"})
+    assert env.options == {"eps": "1e-2", "extend_backend": "torch_native"}
+    assert env.stats_file == "/tmp/s.json" and env.disable_cpu_kernels and str(env.kernel_cache_dir) == "/k"
+    with pytest.raises(ValueError, match="unknown louver variable LOUVER_EPSILON; did you mean LOUVER_EPS"):
+        Environment.read({"LOUVER_EPSILON": "1e-2"})
+    with pytest.raises(ValueError, match="LOUVER_DISABLE_CPU_KERNELS"):
+        Environment.read({"LOUVER_DISABLE_CPU_KERNELS": "maybe"})
+    with pytest.raises(ValueError, match="LOUVER_POLCY; did you mean LOUVER_POLICY"):
+        load_options({"LOUVER_POLCY": "budget"})
