@@ -1,33 +1,62 @@
-"""Serving telemetry: recorded steps are summed lazily, with the same window as summing at once."""
+"""Serving telemetry: which path every request-step took, fractions over sparse steps only,
+recorded steps summed lazily, and the statistics file a client reads per request."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 
 from louver_sgl.decode.contract import StepStats
 from louver_sgl.serving import telemetry
-from louver_sgl.serving.telemetry import Telemetry
+from louver_sgl.serving.telemetry import Counts, Telemetry, log_line
 
 
-def _stats(seed: int) -> StepStats:
+def _stats(seed: int, num_indexed=(640, 320)) -> StepStats:
     gen = torch.Generator().manual_seed(seed)
     packed = torch.rand(2, 5, 4, generator=gen, dtype=torch.float64).mul(100).floor()
     packed[:, 4, 0] = torch.tensor([float(seed % 2), 0.0])  # dense fallback flags
-    return StepStats.from_packed(packed, torch.tensor([640, 320]), torch.tensor([10, 5]))
+    num_indexed = torch.tensor(num_indexed)
+    return StepStats.from_packed(packed, num_indexed, num_indexed // 64)
 
 
-def test_window_sums_recorded_steps_and_bounds_what_it_holds(monkeypatch):
+def test_window_counts_paths_and_sums_sparse_steps_only(monkeypatch):
     monkeypatch.setattr(telemetry, "PENDING_LIMIT", 3)
     tel = Telemetry(interval=0)
     steps = [_stats(seed) for seed in range(7)]
     for stats in steps:
         tel.record_step(stats)
-        assert len(tel.window.pending) < 3
-    snap = tel.snapshot()
-    candidates = sum(float(s.candidates.sum()) for s in steps)
-    skipped = sum(float(s.pages_skipped.sum()) for s in steps)
-    assert tel.window.layer_steps == 7 and not tel.window.pending
-    assert snap["candidate_fraction"] == candidates / (7 * 960 * 4)
-    assert snap["pages_skipped_fraction"] == skipped / (7 * 15 * 4)
-    assert snap["mass_bound_max"] == max(float(s.mass_bound.max()) for s in steps)
-    assert snap["dense_fallback_fraction"] == 3 / 14  # seeds 1, 3, 5 flag their first request
+        assert len(tel.pending) < 3
+    window = tel.snapshot()["window"]
+    sparse = [(s, r) for s in steps for r in range(2) if not bool(s.dense_fallback[r])]
+    assert (window["sparse_steps"], window["dense_fallback_steps"], window["dense_short_steps"]) == (11, 3, 0)
+    attended = sum(float(s.candidates[r].sum()) for s, r in sparse)
+    indexed = sum(float(s.num_indexed[r]) * 4 for s, r in sparse)
+    assert window["attended_fraction"] == attended / indexed
+    skipped = sum(float(s.pages_skipped[r].sum()) for s, r in sparse)
+    assert window["pages_skipped_fraction"] == skipped / sum(float(s.num_pages[r]) * 4 for s, r in sparse)
+    assert window["mass_bound_max"] == max(float(s.mass_bound[r].max()) for s, r in sparse)
+    assert not tel.pending
+
+
+def test_a_window_without_sparse_steps_says_so():
+    """Short requests only (no indexed page): no fraction of 0 that would read as perfect sparsity."""
+    counts = Counts()
+    counts.add(_stats(0, num_indexed=(0, 0)))
+    summary = counts.summary()
+    assert counts.dense_short_steps == 2 and counts.sparse_steps == 0
+    assert summary["attended_fraction"] is None and summary["mass_bound_max"] is None
+    line = log_line(counts, 4, 2, 0)
+    assert "no sparse step in this window" in line and "keys attended" not in line
+    assert "2 dense (short)" in line and "built 4, reused 2" in line
+
+
+def test_statistics_file_holds_process_totals_across_windows(tmp_path):
+    path = tmp_path / "stats.json"
+    tel = Telemetry(interval=1, stats_file=str(path))
+    for seed in (0, 2):  # two windows, each flushed after its forward
+        tel.record_step(_stats(seed))
+        tel.end_decode_forward()
+    data = json.loads(path.read_text())
+    assert data["decode_forwards"] == 2 and data["sparse_steps"] == 4
+    assert data["attended_keys"] == sum(float(_stats(s).candidates.sum()) for s in (0, 2))

@@ -28,6 +28,7 @@ from ..memory import advise_huge_pages
 from ..profiles import Shapes
 from ..profiles.launch import cpu_threads
 from ..settings import Environment
+from . import host_tier
 from .extend import make_extend_backend
 from .options import resolve_options
 from .pages import ServingIndex
@@ -62,17 +63,19 @@ class LouverAttnBackend(AttentionBackend):
         logger.info("louver: extend (prefill) runs in SGLang's %s backend; decode in louver's %s implementation",
                     self.extend_name, "triton" if self._on_cuda() else "auto")
         self.index = ServingIndex(config, self.token_to_kv_pool, self.page_size)
+        host_tier.track(self.token_to_kv_pool, self.index)
         self.index.log_memory_estimate()
         server_args = getattr(model_runner, "server_args", None)
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)),
-                                   Environment.read().stats_file)
+                                   Environment.read().stats_file, config.page_size)
         if serving.huge_pages:
             self._pool_on_huge_pages()
         self._planned_for = None  # (forward_batch, seq_lens, page table) the CPU wrapper is planned for
         self.cuda_path = self._make_cuda_path(model_runner, shapes)
         self.decode = None if self.cuda_path is not None else LouverDecode(
             config, "cpu", launch={"chunk_pages": serving.chunk_pages}, shapes=shapes)
+        self.telemetry.dump()  # the statistics file exists (page size, zero counts) from startup on
 
     def _resolve_options(self, model_runner):
         """(config, serving options, head shapes) over the tuned profile of this device and the

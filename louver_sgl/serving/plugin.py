@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from .names import BACKEND_NAME
+from .server_view import device_type, served_shapes
 
 logger = logging.getLogger("louver_sgl.serving")
 _registered = False
@@ -35,6 +36,10 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(_create_backend)
     register_resolution_hook("handle_attention_backend_compatibility")(_resolve_louver_args)
+    from . import host_tier, pool_budget
+
+    pool_budget.install()  # the index's bytes per token in SGLang's KV-pool sizing
+    host_tier.install()  # pages loaded back from the host tier are rebuilt before they are read
     _registered = True
 
 
@@ -59,10 +64,10 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     from .options import load_options, resolve_options
 
     model_config = model_config_of(server_args)
-    shapes = _served_shapes(view, model_config)
+    shapes = served_shapes(view, model_config)
     # Invalid LOUVER_* options (and an explicit LOUVER_PROFILE that does not apply) fail here, at
     # startup; the profile also decides the server page size.
-    device = _device_type(view)
+    device = device_type(view)
     config = resolve_options(device, shapes)[0] if shapes else load_options()[0]
     check_louver_compatible(view, model_config)
     if device == "cuda" and config.family != "grid":
@@ -72,30 +77,6 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     if view.page_size != config.page_size:
         logger.info("louver: setting page_size=%d (index pages are KV pages; was %s)", config.page_size, view.page_size)
         declare_resolution(server_args, "louver", page_size=config.page_size)
-
-
-def _device_type(view: Any) -> str:
-    import torch
-
-    device = str(getattr(view, "device", None) or "")
-    return "cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda"
-
-
-def _served_shapes(view: Any, model_config: Any):
-    """Per-rank attention shapes of the served model, or None where they cannot be read here
-    (the backend then applies the profile with the server's page size)."""
-    from ..profiles import Shapes
-
-    try:
-        tp_size = int(getattr(view, "tp_size", 1) or 1)
-        kv_dtype = str(getattr(view, "kv_cache_dtype", "auto") or "auto")
-        if kv_dtype == "auto":
-            kv_dtype = str(model_config.dtype).replace("torch.", "")
-        return Shapes(int(model_config.head_dim), int(model_config.num_attention_heads) // tp_size,
-                      int(model_config.get_num_kv_heads(tp_size)), kv_dtype)
-    except Exception as exc:  # best effort: never block startup on reading shapes
-        logger.debug("louver: attention shapes not readable at argument resolution (%s)", exc)
-        return None
 
 
 def _disable_cuda_graphs(server_args: Any, view: Any) -> None:

@@ -1,12 +1,19 @@
-"""Decode-step telemetry of the louver backend: log lines and Prometheus metrics.
+"""Decode-step telemetry of the louver backend: log lines, the statistics file and Prometheus.
 
-Counters accumulate over every layer of every forward; the log line is written every
-``interval`` decode forwards. With ``--enable-metrics`` the same numbers are exported as
-``sglang:louver_*`` gauges and counters from the scheduler process.
+Every (request, layer) of a decode forward is one request-step, and it took one of three paths:
+``sparse`` (read through the index), ``dense_short`` (no indexed page: shorter than
+``min_sparse_tokens`` or than the sink and recent pages) or ``dense_fallback`` (over the
+dense-fallback fraction). Key and page fractions and the certified bound are over sparse
+request-steps only, so a window without one says so instead of reporting a fraction of 0.
+Counters accumulate for the process (the statistics file, ``LOUVER_STATS_FILE``, holds them:
+a client reads it before and after a request for that request's account) and per log window
+(every ``interval`` decode forwards). With ``--enable-metrics`` they are ``sglang:louver_*``
+Prometheus metrics of the scheduler process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -20,59 +27,82 @@ PENDING_LIMIT = 512
 
 
 @dataclass
-class _Window:
-    layer_steps: int = 0
-    candidates: float = 0.0
-    indexed: float = 0.0
+class Counts:
+    """Sums over request-steps. Keys and pages are per query head (attended = after the gate)."""
+
+    sparse_steps: int = 0
+    dense_short_steps: int = 0
+    dense_fallback_steps: int = 0
+    indexed_keys: float = 0.0
+    attended_keys: float = 0.0
+    indexed_pages: float = 0.0
     pages_skipped: float = 0.0
-    pages: float = 0.0
     mass_bound_max: float = 0.0
-    fallbacks: int = 0
-    requests: int = 0
-    # StepStats recorded but not yet summed (see Telemetry.record_step)
-    pending: list = field(default_factory=list)
+
+    def add(self, stats) -> None:
+        """One layer's ``StepStats`` (a few host reads: called when a window is read)."""
+        heads = stats.candidates.shape[1]
+        fallback = stats.dense_fallback.cpu()
+        short = stats.num_indexed.cpu() == 0
+        sparse = ~short & ~fallback
+        self.sparse_steps += int(sparse.sum())
+        self.dense_short_steps += int(short.sum())
+        self.dense_fallback_steps += int((fallback & ~short).sum())
+        if not bool(sparse.any()):
+            return
+        self.indexed_keys += float(stats.num_indexed.cpu()[sparse].sum()) * heads
+        self.attended_keys += float(stats.candidates.cpu()[sparse].sum())
+        self.indexed_pages += float(stats.num_pages.cpu()[sparse].sum()) * heads
+        self.pages_skipped += float(stats.pages_skipped.cpu()[sparse].sum())
+        self.mass_bound_max = max(self.mass_bound_max, float(stats.mass_bound.cpu()[sparse].max()))
+
+    def merge(self, other: "Counts") -> None:
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name == "mass_bound_max" else mine + theirs)
+
+    def summary(self) -> dict[str, float | None]:
+        """Fractions (None where they have no sparse step to be over)."""
+        steps = self.sparse_steps + self.dense_short_steps + self.dense_fallback_steps
+        sparse = self.sparse_steps > 0
+        return {
+            "request_steps": steps,
+            "sparse_step_fraction": self.sparse_steps / steps if steps else None,
+            "attended_fraction": self.attended_keys / self.indexed_keys if sparse and self.indexed_keys else None,
+            "pages_skipped_fraction": self.pages_skipped / self.indexed_pages if sparse and self.indexed_pages else None,
+            "mass_bound_max": self.mass_bound_max if sparse else None,
+        }
 
 
 @dataclass
 class Telemetry:
-    """Running totals plus a window that is logged and reset every ``interval`` decode forwards."""
+    """Process totals plus a window that is logged and reset every ``interval`` decode forwards."""
 
     interval: int
     enable_metrics: bool = False
     stats_file: str | None = None  # LOUVER_STATS_FILE
+    page_size: int = 0  # the server's (written to the statistics file for its readers)
     decode_forwards: int = 0
     pages_built: int = 0
     pages_reused: int = 0
     pages_rebuilt_on_read: int = 0
-    window: _Window = field(default_factory=_Window)
+    totals: Counts = field(default_factory=Counts)
+    window: Counts = field(default_factory=Counts)
+    pending: list = field(default_factory=list)  # StepStats recorded but not yet summed
     _metrics: dict | None = None
 
     def record_step(self, stats) -> None:
         """Add one layer's ``StepStats``. They are kept and summed when the window is read (or
         PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
         attention has swept the caches each costs microseconds on the decode path."""
-        pending = self.window.pending
-        pending.append(stats)
-        if len(pending) >= PENDING_LIMIT:
+        self.pending.append(stats)
+        if len(self.pending) >= PENDING_LIMIT:
             self._sum_pending()
 
     def _sum_pending(self) -> None:
-        w = self.window
-        for stats in w.pending:
-            self._add(w, stats)
-        w.pending.clear()
-
-    @staticmethod
-    def _add(w: _Window, stats) -> None:
-        heads = stats.candidates.shape[1]
-        w.layer_steps += 1
-        w.candidates += float(stats.candidates.sum())
-        w.indexed += float(stats.num_indexed.sum()) * heads
-        w.pages_skipped += float(stats.pages_skipped.sum())
-        w.pages += float(stats.num_pages.sum()) * heads
-        w.mass_bound_max = max(w.mass_bound_max, float(stats.mass_bound.max()) if stats.mass_bound.numel() else 0.0)
-        w.fallbacks += int(stats.dense_fallback.sum())
-        w.requests += int(stats.dense_fallback.numel())
+        for stats in self.pending:
+            self.window.add(stats)
+        self.pending.clear()
 
     def end_decode_forward(self) -> None:
         self.decode_forwards += 1
@@ -80,50 +110,47 @@ class Telemetry:
             self._flush()
         self.dump()
 
-    def dump(self) -> None:
-        """Write the running totals to ``$LOUVER_STATS_FILE`` (for tests and benchmarks; off by default)."""
-        path = self.stats_file
-        if not path:
-            return
-        totals = {"decode_forwards": self.decode_forwards, "pages_built": self.pages_built,
-                  "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read}
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(totals))
-        tmp.replace(path)
-
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict:
+        """The current window's summary and the process totals (window not reset)."""
         self._sum_pending()
-        w = self.window
-        return {
-            "candidate_fraction": w.candidates / w.indexed if w.indexed else 0.0,
-            "pages_skipped_fraction": w.pages_skipped / w.pages if w.pages else 0.0,
-            "mass_bound_max": w.mass_bound_max,
-            "dense_fallback_fraction": w.fallbacks / w.requests if w.requests else 0.0,
-            "pages_built": self.pages_built,
-            "pages_reused": self.pages_reused,
-        }
+        totals = Counts(**dataclasses.asdict(self.totals))
+        totals.merge(self.window)
+        return {"window": {**dataclasses.asdict(self.window), **self.window.summary()},
+                "totals": {**dataclasses.asdict(totals), **totals.summary()},
+                "decode_forwards": self.decode_forwards, "pages_built": self.pages_built,
+                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read}
+
+    def dump(self) -> None:
+        """Write the process totals to the statistics file (off unless ``LOUVER_STATS_FILE`` is
+        set; then every decode forward also sums its steps, a few host reads per layer)."""
+        if not self.stats_file:
+            return
+        snap = self.snapshot()
+        data = {**snap["totals"], "page_size": self.page_size, "decode_forwards": self.decode_forwards,
+                "pages_built": self.pages_built,
+                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read}
+        tmp = Path(self.stats_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.stats_file)
 
     def _flush(self) -> None:
-        s = self.snapshot()
-        logger.info(
-            "louver: candidates %.3f, pages skipped %.3f, certified dropped-mass bound <= %.2e, "
-            "dense fallbacks %.3f, index pages built %d, reused %d",
-            s["candidate_fraction"], s["pages_skipped_fraction"], s["mass_bound_max"],
-            s["dense_fallback_fraction"], self.pages_built, self.pages_reused,
-        )
+        snap = self.snapshot()
+        logger.info("%s", log_line(self.window, self.pages_built, self.pages_reused, self.pages_rebuilt_on_read))
         if self.enable_metrics:
-            self._export(s)
-        self.window = _Window()
+            self._export(snap["window"])
+        self.totals.merge(self.window)
+        self.window = Counts()
 
-    def _export(self, s: dict[str, float]) -> None:
+    def _export(self, window: dict) -> None:
         try:
             if self._metrics is None:
                 self._metrics = _make_metrics()
             m = self._metrics
-            m["candidates"].set(s["candidate_fraction"])
-            m["skipped"].set(s["pages_skipped_fraction"])
-            m["bound"].set(s["mass_bound_max"])
-            m["fallback"].set(s["dense_fallback_fraction"])
+            for name in ("sparse_steps", "dense_short_steps", "dense_fallback_steps"):
+                m[name].inc(window[name])
+            for name in ("attended_fraction", "pages_skipped_fraction", "mass_bound_max"):
+                if window[name] is not None:  # no sparse step: the gauges keep their last value
+                    m[name].set(window[name])
             m["built"].set(self.pages_built)
             m["reused"].set(self.pages_reused)
         except Exception as exc:  # metrics must never break serving
@@ -131,17 +158,33 @@ class Telemetry:
             self.enable_metrics = False
 
 
+def log_line(window: Counts, built: int, reused: int, rebuilt: int) -> str:
+    """The telemetry log line of a window."""
+    s = window.summary()
+    paths = (f"decode request-steps: {window.sparse_steps} sparse, {window.dense_short_steps} dense (short), "
+             f"{window.dense_fallback_steps} dense (fallback)")
+    pages = f"index pages built {built}, reused {reused}, rebuilt on read {rebuilt}"
+    if s["attended_fraction"] is None:
+        return f"louver: {paths}; no sparse step in this window; {pages}"
+    return (f"louver: {paths}; keys attended {s['attended_fraction']:.3f} of indexed, pages skipped "
+            f"{s['pages_skipped_fraction']:.3f}, certified dropped-mass bound <= {s['mass_bound_max']:.2e}; {pages}")
+
+
 def _make_metrics() -> dict:
-    from prometheus_client import Gauge
+    from prometheus_client import Counter, Gauge
 
     def gauge(name: str, doc: str) -> Gauge:
         return Gauge(f"sglang:louver_{name}", doc, multiprocess_mode="mostrecent")
 
     return {
-        "candidates": gauge("candidate_fraction", "Indexed keys attended per query head (fraction)."),
-        "skipped": gauge("pages_skipped_fraction", "Indexed pages skipped by their page bound."),
-        "bound": gauge("mass_bound_max", "Largest certified upper bound on dropped softmax mass."),
-        "fallback": gauge("dense_fallback_fraction", "Decode requests that fell back to dense."),
+        "sparse_steps": Counter("sglang:louver_sparse_request_steps", "Decode (request, layer) steps read through the index."),
+        "dense_short_steps": Counter("sglang:louver_dense_short_request_steps",
+                                     "Decode (request, layer) steps attended densely: no indexed page (short request)."),
+        "dense_fallback_steps": Counter("sglang:louver_dense_fallback_request_steps",
+                                        "Decode (request, layer) steps over the dense-fallback fraction."),
+        "attended_fraction": gauge("attended_fraction", "Indexed keys attended per query head in sparse steps."),
+        "pages_skipped_fraction": gauge("pages_skipped_fraction", "Indexed pages skipped by their page bound."),
+        "mass_bound_max": gauge("mass_bound_max", "Largest certified upper bound on dropped softmax mass."),
         "built": gauge("index_pages_built", "Index pages built since start (all layers)."),
         "reused": gauge("index_pages_reused", "Prefix index pages read without rebuild."),
     }

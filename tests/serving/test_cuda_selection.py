@@ -15,7 +15,7 @@ from test_plugin import _resolve, tiny_model  # noqa: F401  (fixture)
 def test_cuda_resolution_keeps_graphs_and_rejects_clustered(tiny_model, monkeypatch):  # noqa: F811
     """On CUDA the decode step is graph-safe: graphs stay as configured; the clustered family,
     which has no CUDA kernels, fails at startup."""
-    monkeypatch.setattr(plugin, "_device_type", lambda view: "cuda")
+    monkeypatch.setattr(plugin, "device_type", lambda view: "cuda")
     monkeypatch.setenv("LOUVER_PROFILE", "none")  # no device query without a GPU
     view = _resolve(tiny_model)
     assert view.cuda_graph_config.decode.backend != "disabled"

@@ -132,3 +132,31 @@ def test_every_louver_variable_is_read_in_one_place():
         Environment.read({"LOUVER_DISABLE_CPU_KERNELS": "maybe"})
     with pytest.raises(ValueError, match="LOUVER_POLCY; did you mean LOUVER_POLICY"):
         load_options({"LOUVER_POLCY": "budget"})
+
+
+def test_index_bytes_enter_the_kv_pool_cell_size(tiny_model, monkeypatch):
+    """The pool-sizing hook adds the index's bytes per token (all layers, the configured family
+    and width) to SGLang's cell size for a louver server, and nothing for another backend."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import prepare_server_args
+
+    from louver_sgl import LouverConfig
+    from louver_sgl.serving import pool_budget
+
+    monkeypatch.setenv("LOUVER_PROFILE", "none")
+    monkeypatch.setenv("LOUVER_GRID_BITS", "4")
+    plugin.register()
+    cells = {}
+    for backend in ("louver", "torch_native"):
+        args = prepare_server_args(["--model-path", str(tiny_model), "--device", "cpu", "--attention-backend", backend])
+        args.resolve_once()
+        model_config = ModelConfig.from_server_args(args)
+        kvc = SimpleNamespace(server_args=args, model_config=model_config, kv_cache_dtype=torch.bfloat16)
+        cells[backend] = pool_budget.cell_size_with_index(lambda self, kvc, n: 1000 * n, None, kvc, 4)
+    per_layer = pool_budget.index_bytes_per_token(LouverConfig(grid_bits=4), model_config.get_num_kv_heads(1),
+                                                  model_config.head_dim, torch.bfloat16)
+    assert cells["torch_native"] == 4000
+    assert cells["louver"] == 4000 + int(-(-per_layer * 4 // 1))
+    assert 0 < per_layer < 1000

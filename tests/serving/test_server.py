@@ -47,8 +47,10 @@ def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
             if backend == "louver":
                 metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     assert outputs["louver"] == outputs["torch_native"]
-    assert "sglang:louver_candidate_fraction" in metrics and "sglang:louver_index_pages_built" in metrics
-    assert "louver: candidates" in (tmp_path / "louver.log").read_text()  # the telemetry log line
+    assert "sglang:louver_attended_fraction" in metrics and "sglang:louver_index_pages_built" in metrics
+    assert "sglang:louver_sparse_request_steps" in metrics
+    log = (tmp_path / "louver.log").read_text()
+    assert "louver: decode request-steps:" in log and "keys attended" in log  # the telemetry log line
 
 
 @pytest.fixture(scope="module")
