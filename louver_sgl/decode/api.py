@@ -129,6 +129,11 @@ class LouverDecode:
         self._plan = self.impl.plan(page_table, seq_lens)
         return self
 
+    @property
+    def current_plan(self):
+        """The implementation's plan of the last ``plan`` call (None before any)."""
+        return self._plan
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store, sigma: float,
             out: torch.Tensor | None = None, stats: bool = False, attended: bool = False):
         """One decode step of the planned batch for one layer.

@@ -44,7 +44,7 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
 
     def recording(self, q, k_cache, v_cache, store, sigma, **kwargs):
         out, stats = real(self, q, k_cache, v_cache, store, sigma, **kwargs)
-        plan = self._plan
+        plan = self.current_plan
         calls.append(((q, k_cache, v_cache, plan.page_table, plan.seq_lens, store, sigma, self.config),
                       out.clone(), stats))
         return out, stats
