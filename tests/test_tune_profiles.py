@@ -117,6 +117,22 @@ def test_auto_pick_by_device_key(tmp_path):
     assert config.page_size == 32
 
 
+def test_a_profile_tuned_for_the_served_kv_dtype_is_preferred(tmp_path):
+    """Beside the device's main (fp16) profile, ``<key>.float32.json`` applies to an fp32 KV pool;
+    the fp16 pool keeps the main one."""
+    import dataclasses
+
+    fp32_shapes = dict(profile_dict()["shapes"], kv_dtype="float32")
+    write(tmp_path, profile_dict())
+    write(tmp_path, profile_dict(config={"page_size": 128, "grid_bits": 4}, shapes=fp32_shapes),
+          f"{profile_key('cpu', DEVICE)}.float32.json")
+    env = {"LOUVER_PROFILE_DIR": str(tmp_path)}
+    config32, _, selection = resolve_options("cpu", dataclasses.replace(SHAPES, kv_dtype="float32"), env, DEVICE)
+    assert config32.page_size == 128 and selection.profile.path.endswith(".float32.json")
+    config16, _, _ = resolve_options("cpu", SHAPES, env, DEVICE)
+    assert config16.page_size == 32
+
+
 @pytest.mark.parametrize("data", [
     profile_dict(shapes={"head_dim": 128, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16"}),
     profile_dict(louver_version="9.9.9"),
@@ -172,13 +188,13 @@ def test_cpu_threads_restores_the_count():
 def test_served_shapes_at_argument_resolution():
     from types import SimpleNamespace
 
-    from louver_sgl.serving.plugin import _served_shapes
+    from louver_sgl.serving.server_view import served_shapes
 
     model = SimpleNamespace(head_dim=64, num_attention_heads=18, get_num_kv_heads=lambda tp: 6 // tp,
                             dtype=torch.bfloat16)
     view = SimpleNamespace(tp_size=2, kv_cache_dtype="auto")
-    assert _served_shapes(view, model) == Shapes(64, 9, 3, "bfloat16")
-    assert _served_shapes(SimpleNamespace(tp_size=1, kv_cache_dtype="fp8_e4m3"), model) is None
+    assert served_shapes(view, model) == Shapes(64, 9, 3, "bfloat16")
+    assert served_shapes(SimpleNamespace(tp_size=1, kv_cache_dtype="fp8_e4m3"), model) is None
 
 
 def test_backend_resolves_the_profile_for_its_kv_pool(tmp_path, monkeypatch, caplog):

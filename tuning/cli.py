@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from louver_sgl.profiles import Profile, ProfileError, find_profiles, profile_key
+from louver_sgl.profiles.select import profile_file_name
 from louver_sgl.settings import Environment
 
 from .report import importances, results_table, write_plots
@@ -152,7 +153,8 @@ def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespac
 
         confirmation = confirm_best(study, target, launch_names, a.confirm_top, a.confirm_rounds)
     profile = study_profile(study, launch_names, confirmation)
-    path = profile.write(out or out_dir / f"{profile_key(profile.target, profile.device_name)}.json")
+    name = profile_file_name(profile_key(profile.target, profile.device_name), profile.shapes.kv_dtype)
+    path = profile.write(out or out_dir / name)
     plots = write_plots(study, path.with_suffix(""))
     (path.with_suffix(".results.txt")).write_text(results_table(study, top=20) + "\n")
     print(f"profile {path}; plots {[str(p) for p in plots]}")

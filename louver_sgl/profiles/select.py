@@ -43,6 +43,18 @@ def find_profiles(environ: Mapping[str, str] | None = None) -> list[Path]:
     return [p for d in search_dirs(environ) if d.is_dir() for p in sorted(d.glob("*.json"))]
 
 
+def profile_file_names(key: str, kv_dtype: str) -> list[str]:
+    """The file names a device's profile for a KV dtype may have, first choice first: one tuned
+    for that dtype (``<key>.<dtype>.json``), then the device's main one (``<key>.json``, fp16 or
+    whatever it was tuned for; its shapes decide whether it applies)."""
+    return [f"{key}.{kv_dtype}.json", f"{key}.json"]
+
+
+def profile_file_name(key: str, kv_dtype: str) -> str:
+    """Where ``louver-tune export`` writes a profile: fp16 ones keep the device's main name."""
+    return f"{key}.json" if kv_dtype == "float16" else f"{key}.{kv_dtype}.json"
+
+
 def select_profile(target: str, shapes: Shapes, version: str, environ: Mapping[str, str] | None = None,
                    raw_device_name: str | None = None) -> Selection:
     """The profile for this device and model; raises ``ProfileError`` only for an explicit one."""
@@ -55,9 +67,11 @@ def select_profile(target: str, shapes: Shapes, version: str, environ: Mapping[s
         return Selection(profile, f"louver: using profile {explicit} ({PROFILE_ENV}; tuned on {profile.device_name})")
     raw = raw_device_name or device_name(target)
     key = profile_key(target, raw)
-    path = next((d / f"{key}.json" for d in search_dirs(environ) if (d / f"{key}.json").is_file()), None)
+    names = profile_file_names(key, shapes.kv_dtype)
+    path = next((d / n for d in search_dirs(environ) for n in names if (d / n).is_file()), None)
     if path is None:
-        return Selection(None, f"louver: no tuned profile for {raw!r} ({key}.json); using the built-in defaults")
+        return Selection(None, f"louver: no tuned profile for {raw!r} ({' or '.join(names)}); using the "
+                               "built-in defaults")
     try:
         profile = Profile.load(path)
         profile.check_compatible(target, shapes, version)
