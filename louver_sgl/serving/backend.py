@@ -62,7 +62,9 @@ class LouverAttnBackend(AttentionBackend):
         self.extend_name, self.extend = make_extend_backend(serving.extend_backend, model_runner)
         logger.info("louver: extend (prefill) runs in SGLang's %s backend; decode in louver's %s implementation",
                     self.extend_name, "triton" if self._on_cuda() else "auto")
-        self.index = ServingIndex(config, self.token_to_kv_pool, self.page_size)
+        # the Triton kernels read token-layout codes (the CPU kernels' default is block16)
+        self.index = ServingIndex(config, self.token_to_kv_pool, self.page_size,
+                                  "token" if self._on_cuda() else None)
         host_tier.track(self.token_to_kv_pool, self.index)
         self.index.log_memory_estimate()
         server_args = getattr(model_runner, "server_args", None)

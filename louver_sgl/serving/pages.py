@@ -22,8 +22,8 @@ logger = logging.getLogger("louver_sgl.serving")
 class ServingIndex:
     """The index stores of every layer of a KV pool, and which pages are built."""
 
-    def __init__(self, config: LouverConfig, pool, page_size: int) -> None:
-        self.config, self.pool, self.page_size = config, pool, page_size
+    def __init__(self, config: LouverConfig, pool, page_size: int, code_layout: str | None = None) -> None:
+        self.config, self.pool, self.page_size, self.code_layout = config, pool, page_size, code_layout
         self.stores: dict[int, PageIndexStore] = {}
         self.built: dict[int, torch.Tensor] = {}
         self.pages_rebuilt_on_read = 0  # on the first layer (one count per page)
@@ -35,7 +35,7 @@ class ServingIndex:
             k_buffer = self.pool.get_key_buffer(layer_id)
             num_pages = k_buffer.shape[0] // self.page_size
             store = PageIndexStore(self.config, num_pages, k_buffer.shape[1], k_buffer.shape[2], k_buffer.dtype,
-                                   k_buffer.device)
+                                   k_buffer.device, self.code_layout)
             self.stores[layer_id] = store
             self.built[layer_id] = torch.zeros(num_pages, dtype=torch.bool, device=k_buffer.device)
         return store
