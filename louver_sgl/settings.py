@@ -31,6 +31,8 @@ class ServingOptions:
     huge_pages: move a CPU KV pool onto transparent huge pages at startup (~4 ms per MiB, once;
         the index always asks for them). The step reads rows scattered over the pool, and with
         4 KiB pages nearly each read also misses the TLB (``louver_sgl.memory``).
+    step_timing: time every CPU decode step and the backend's own work around it (written to the
+        statistics file: ``step_seconds``, ``backend_seconds``, ``timed_steps``); a profiling aid.
     extend_backend: the SGLang attention backend that runs prefill/extend (dense), e.g.
         ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
         choice for the device (``serving.extend``).
@@ -42,6 +44,7 @@ class ServingOptions:
     num_threads: int = 0
     log_interval: int = 0
     huge_pages: bool = True
+    step_timing: bool = False
     extend_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -50,8 +53,9 @@ class ServingOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a positive" if low else "a non-negative"
                 raise ValueError(f"{name} must be {kind} int, got {value!r}")
-        if not isinstance(self.huge_pages, bool):
-            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
+        for name in ("huge_pages", "step_timing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():
             raise ValueError(f"extend_backend must be a backend name or 'auto', got {self.extend_backend!r}")
 

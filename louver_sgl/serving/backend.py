@@ -182,6 +182,7 @@ class LouverAttnBackend(AttentionBackend):
             return self.extend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kw)
         if self.cuda_path is not None:
             return self._forward_decode_cuda(q, k, v, layer, forward_batch, save_kv_cache)
+        start = time.perf_counter()
         h_q, dim = layer.tp_q_head_num, layer.qk_head_dim
         q = q.reshape(-1, h_q * dim)
         out = torch.empty_like(q)
@@ -192,16 +193,27 @@ class LouverAttnBackend(AttentionBackend):
             self._plan(forward_batch, in_graph=False)  # a caller that skipped init_forward_metadata
         _, seq_lens, page_table = self._planned_for
         self.index.build_unbuilt(layer.layer_id, page_table, seq_lens)
+        step_start = time.perf_counter()
         with cpu_threads(self.serving.num_threads):
             _, stats = self.decode.run(
                 q.view(-1, h_q, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.index.store(layer.layer_id),
                 layer.scaling, out=out.view(-1, h_q, dim), stats=True)
+        step_end = time.perf_counter()
         self.telemetry.record_step(stats)
+        if self.serving.step_timing:
+            self._time_step(start, step_start, step_end)
         if layer.layer_id == self._first_layer():
             self.telemetry.pages_rebuilt_on_read = self.index.pages_rebuilt_on_read
             self.telemetry.end_decode_forward()
         return out
+
+    def _time_step(self, start: float, step_start: float, step_end: float) -> None:
+        """Add one layer's step time and the backend's own time around it (``step_timing``)."""
+        timing = self.telemetry.timing
+        timing["timed_steps"] += 1
+        timing["step_seconds"] += step_end - step_start
+        timing["backend_seconds"] += (step_start - start) + (time.perf_counter() - step_end)
 
     def _write_decode_kv(self, layer, forward_batch: ForwardBatch, k, v) -> None:
         """The decode token's K/V into the pool; the pages it completes are built."""

@@ -86,6 +86,7 @@ class Telemetry:
     pages_built: int = 0
     pages_reused: int = 0
     pages_rebuilt_on_read: int = 0
+    timing: dict = field(default_factory=lambda: {"timed_steps": 0, "step_seconds": 0.0, "backend_seconds": 0.0})
     totals: Counts = field(default_factory=Counts)
     window: Counts = field(default_factory=Counts)
     pending: list = field(default_factory=list)  # StepStats recorded but not yet summed
@@ -128,7 +129,7 @@ class Telemetry:
         snap = self.snapshot()
         data = {**snap["totals"], "page_size": self.page_size, "decode_forwards": self.decode_forwards,
                 "pages_built": self.pages_built,
-                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read}
+                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read, **self.timing}
         tmp = Path(self.stats_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.stats_file)
