@@ -280,6 +280,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="keep K/V (both sides) on 4 KiB pages; the index store always asks for huge pages")
+    parser.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                        help="KV cache dtype of the paged batches (the traces hold fp16 keys and values)")
     parser.add_argument("--plot-only", action="store_true", help="redraw plot and table from --out")
     parser.add_argument("--markdown", action="store_true", help="with --plot-only: print the docs table")
     args = parser.parse_args()
@@ -299,7 +301,8 @@ def main() -> None:
         indexes = {k: INDEXES[k] for k in args.indexes}
         sizes = dict.fromkeys([64] + [LouverConfig(**kw).page_size for kw in indexes.values()])
         huge = not args.no_huge_pages
-        case = run_case({size: paged_batch(trace, layer, batch, size, huge_pages=huge) for size in sizes},
+        kv_dtype = getattr(torch, args.kv_dtype)
+        case = run_case({size: paged_batch(trace, layer, batch, size, kv_dtype, huge_pages=huge) for size in sizes},
                         args.repeats, indexes, huge)
         case.update(trace=trace_path, length=int(trace["meta"]["length"]), layer=layer, batch=batch)
         results["cases"].append(case)
