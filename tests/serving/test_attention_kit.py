@@ -42,6 +42,31 @@ def test_kit_case(case, policy, dense_pages, monkeypatch):
         kit.run_dense_attention_case(_Case(), case, device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("extend_backend", ["torch_native", "torch_native_prefix"])
+@pytest.mark.parametrize("prefix_lens,extend_lens", [((0,), (70,)), ((40, 0, 130), (33, 5, 1))])
+def test_extend_backends_match_the_reference(extend_backend, prefix_lens, extend_lens, monkeypatch):
+    """Both CPU extend backends louver composes reproduce the kit's reference, with and without a
+    cached prefix (torch_native_prefix attends for the extended rows only)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from louver_sgl.serving import backend as backend_module
+
+    used = []
+    real_init = backend_module.LouverAttnBackend.__init__
+
+    def init(self, model_runner):
+        real_init(self, model_runner)
+        used.append(self.extend_name)
+
+    monkeypatch.setattr(backend_module.LouverAttnBackend, "__init__", init)
+    monkeypatch.setenv("LOUVER_EXTEND_BACKEND", extend_backend)
+    case = kit.DenseAttentionCase(name="extend", backend="louver", forward_mode=ForwardMode.EXTEND, num_heads=6,
+                                  num_kv_heads=2, page_size=16, prefix_lens=prefix_lens, extend_lens=extend_lens)
+    with torch.no_grad():
+        kit.run_dense_attention_case(_Case(), case, device="cpu", dtype=torch.float32, max_context_len=256)
+    assert used == [extend_backend]
+
+
 def test_extend_runs_in_the_named_sglang_backend(monkeypatch):
     """Prefill goes to the backend ``LOUVER_EXTEND_BACKEND`` names (here a recording subclass of
     torch_native registered under its own name), which writes K/V; louver builds the pages it
