@@ -12,6 +12,7 @@ from louver_sgl import LouverConfig
 from louver_sgl.profiles import (SHIPPED_DIR, Profile, ProfileError, Shapes, cpu_isa_level,
                                  normalize_device_name, profile_key, select_profile)
 from louver_sgl.profiles.launch import cpu_threads
+from louver_sgl.profiles.select import profile_file_names
 from louver_sgl.serving.options import resolve_options
 
 SHAPES = Shapes(64, 9, 3, "float16", (8192,), (1,))
@@ -159,7 +160,9 @@ def test_shipped_profiles_are_valid():
     assert paths, "no profile shipped"
     for path in paths:
         profile = Profile.load(path)
-        assert path.stem == profile_key(profile.target, profile.device_name)
+        # a device's main file (<key>.json) or one tuned for a KV dtype (<key>.<dtype>.json)
+        assert path.name in profile_file_names(profile_key(profile.target, profile.device_name),
+                                               profile.shapes.kv_dtype)
         assert profile.louver_version == louver_sgl.__version__
 
 
@@ -174,6 +177,15 @@ def test_shipped_cpu_profile_resolves():
     assert {k: getattr(config, k) for k in profile.config} == dict(profile.config)
     assert {k: getattr(serving, k) for k in profile.launch} == dict(profile.launch)
     assert profile.measured["confirmation"]["winner"] == profile.measured["tuned"]["trial"]
+
+
+def test_shipped_fp32_profile_is_chosen_for_an_fp32_pool():
+    """The main command serves fp32 on CPU: the AVX2 machine's fp32 profile applies there, the
+    fp16 one to fp16 pools."""
+    for kv_dtype, name in (("float32", "cpu_amd_epyc_avx2.float32.json"), ("float16", "cpu_amd_epyc_avx2.json")):
+        _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, kv_dtype), {"LOUVER_PROFILE_DIR": str(SHIPPED_DIR)},
+                                          "AMD EPYC avx2")
+        assert selection.profile is not None and selection.message.find(name) >= 0, selection.message
 
 
 def test_cpu_threads_restores_the_count():
