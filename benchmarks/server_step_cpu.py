@@ -4,7 +4,8 @@ Starts ``python -m sglang.launch_server`` with louver (``LOUVER_STEP_TIMING=1``:
 times each decode step and its own work around it into the statistics file), sends one greedy
 request of ``--tokens`` prompt tokens and ``--new-tokens`` output tokens, and reports the step's
 mean time per layer and the backend's own time per layer in the server, with the request's
-TPOT. Each ``--variant`` is a set of extra server arguments (e.g. ``--disable-overlap-schedule``).
+TPOT. Each ``--variant`` is a set of extra server arguments and ``LOUVER_*=value`` variables (e.g.
+``LOUVER_OVERLAP_SCHEDULE=1``: SGLang's overlap scheduler kept on, which louver turns off on CPU).
 Compare with ``python -m benchmarks.decode_cpu --kv-dtype float32 --indexes grid-4bit-p128
 --traces data/traces/bible_8192.pt --batches 1`` (the same index and policy at the same context).
 
@@ -53,17 +54,20 @@ def streamed(url: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
     return ttft, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
 
 
-def run_variant(ids: list[int], new_tokens: int, extra: list[str]) -> dict:
+def run_variant(ids: list[int], new_tokens: int, variant: list[str]) -> dict:
+    """One server run; ``variant``: extra server args, and LOUVER_*=value words as its environment."""
+    variant_env = dict(w.split("=", 1) for w in variant if w.startswith("LOUVER_") and "=" in w)
+    extra = [w for w in variant if not (w.startswith("LOUVER_") and "=" in w)]
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
-        env = {**ENV, "LOUVER_STATS_FILE": str(stats)}
+        env = {**ENV, **variant_env, "LOUVER_STATS_FILE": str(stats)}
         with sglang_server(ensure_model(), "louver", _port(), env, ARGS + extra, timeout=600,
                            log_path=Path(tmp) / "server.log") as url:
             ttft, tpot = streamed(url, ids, new_tokens)
             time.sleep(1.0)
             s = json.loads(stats.read_text())
     steps = max(s["timed_steps"], 1)
-    return {"extra_args": extra, "ttft_s": ttft, "tpot_ms": 1e3 * tpot, "timed_steps": s["timed_steps"],
+    return {"extra_args": extra, "extra_env": variant_env, "ttft_s": ttft, "tpot_ms": 1e3 * tpot, "timed_steps": s["timed_steps"],
             "step_ms_per_layer": 1e3 * s["step_seconds"] / steps,
             "backend_ms_per_layer": 1e3 * s["backend_seconds"] / steps, "sparse_steps": s["sparse_steps"],
             "attended_fraction": s.get("attended_fraction")}
@@ -74,15 +78,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--variant", action="append", default=None,
-                        help="extra server args of one run, space separated (repeatable; default: '' and "
-                             "'--disable-overlap-schedule')")
+                        help="extra server args and LOUVER_*=value variables of one run, space separated "
+                             "(repeatable; default: '' and 'LOUVER_OVERLAP_SCHEDULE=1')")
     parser.add_argument("--out", default="benchmarks/results/server_step_cpu.json")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
     ids = tokenizer(load_text("bible"), add_special_tokens=False)["input_ids"][: args.tokens]
-    variants = args.variant if args.variant is not None else ["", "--disable-overlap-schedule"]
+    variants = args.variant if args.variant is not None else ["", "LOUVER_OVERLAP_SCHEDULE=1"]
     rows = []
     for v in variants:
         rows.append(run_variant(ids, args.new_tokens, v.split()))

@@ -157,19 +157,23 @@ def test_forced_fallback_attends_densely(impl):
     _check_step(config, q, k, v, table, lens, store, sigma, out, stats, masks)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_a_nan_key_is_kept_and_touches_no_other_request(impl):
-    """A NaN in one key of request 0's indexed pages: no error; the key is attended by every head
-    of its KV group (NaN bounds keep); every other request's output is the same as without it."""
+def test_a_nan_key_is_kept_and_touches_no_other_request(impl, bad):
+    """A NaN or infinite component in one key of request 0's indexed pages: no error; the key is
+    attended by every head of its KV group (NaN or infinite bounds keep); every other request's
+    output is the same as without it."""
     config, q, k, v, table, lens, store = _case(impl, "budget", LAYOUTS[0], torch.float32, seed=3)
     sigma = 1 / math.sqrt(64)
     clean, _, _ = _step(impl, config, q, k, v, table, lens, store, sigma)
     position = 5 * config.page_size + 3  # an indexed page of request 0 (300 tokens: pages 1..16)
     slot = int(table[0, position // config.page_size]) * config.page_size + position % config.page_size
-    k[slot, 1, 7] = float("nan")
+    k[slot, 1, 7] = bad
     store.build_pages(k, torch.tensor([slot // config.page_size]))
     out, stats, masks = _step(impl, config, q, k, v, table, lens, store, sigma)
-    assert bool(masks[0][3:6, position].all())  # the query heads of KV head 1
+    # the query heads of KV head 1 attend it, except where its score is -inf (no softmax mass)
+    scores = q[0, 3:6].double() @ k[slot, 1].double()
+    assert bool((masks[0][3:6, position] | (scores == -math.inf)).all())
     torch.testing.assert_close(out[1:], clean[1:], atol=0, rtol=0)
 
 
