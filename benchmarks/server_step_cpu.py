@@ -5,7 +5,8 @@ times each decode step and its own work around it into the statistics file), sen
 request of ``--tokens`` prompt tokens and ``--new-tokens`` output tokens, and reports the step's
 mean time per layer and the backend's own time per layer in the server, with the request's
 TPOT. Each ``--variant`` is a set of extra server arguments and ``LOUVER_*=value`` variables (e.g.
-``LOUVER_OVERLAP_SCHEDULE=1``: SGLang's overlap scheduler kept on, which louver turns off on CPU).
+``--disable-overlap-schedule`` or ``LOUVER_CHUNK_PAGES=8``). Past SmolLM2's 8K context the
+server runs with the main command's YaRN override (``scripts/run.sh``).
 Compare with ``python -m benchmarks.decode_cpu --kv-dtype float32 --indexes grid-4bit-p128
 --traces data/traces/bible_8192.pt --batches 1`` (the same index and policy at the same context).
 
@@ -31,6 +32,15 @@ from louver_sgl.eval.server import sglang_server
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_GRID_BITS": "4", "LOUVER_PAGE_SIZE": "128", "LOUVER_POLICY": "budget",
        "LOUVER_BUDGET": "0.05", "LOUVER_MIN_SPARSE_TOKENS": "0", "LOUVER_STEP_TIMING": "1"}
 ARGS = ["--dtype", "float32", "--max-total-tokens", "40000"]
+# the main command's context extension (scripts/run.sh): YaRN factor 4 to 32K tokens
+YARN = ["--json-model-override-args", json.dumps({
+    "max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 8192,
+                                                          "rope_theta": 100000.0}})]
+
+
+def server_args(prompt_tokens: int) -> list[str]:
+    return ARGS + (YARN if prompt_tokens > 8000 else [])
 
 
 def _port() -> int:
@@ -61,7 +71,7 @@ def run_variant(ids: list[int], new_tokens: int, variant: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         env = {**ENV, **variant_env, "LOUVER_STATS_FILE": str(stats)}
-        with sglang_server(ensure_model(), "louver", _port(), env, ARGS + extra, timeout=600,
+        with sglang_server(ensure_model(), "louver", _port(), env, server_args(len(ids)) + extra, timeout=600,
                            log_path=Path(tmp) / "server.log") as url:
             ttft, tpot = streamed(url, ids, new_tokens)
             time.sleep(1.0)
@@ -79,20 +89,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--variant", action="append", default=None,
                         help="extra server args and LOUVER_*=value variables of one run, space separated "
-                             "(repeatable; default: '' and 'LOUVER_OVERLAP_SCHEDULE=1')")
+                             "(repeatable; default: '' and '--disable-overlap-schedule')")
     parser.add_argument("--out", default="benchmarks/results/server_step_cpu.json")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
     ids = tokenizer(load_text("bible"), add_special_tokens=False)["input_ids"][: args.tokens]
-    variants = args.variant if args.variant is not None else ["", "LOUVER_OVERLAP_SCHEDULE=1"]
+    variants = args.variant if args.variant is not None else ["", "--disable-overlap-schedule"]
     rows = []
     for v in variants:
         rows.append(run_variant(ids, args.new_tokens, v.split()))
         print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({
-        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": ARGS,
+        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": server_args(len(ids)),
         "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "rows": rows,
         "command": f"python -m benchmarks.server_step_cpu --tokens {args.tokens} --new-tokens {args.new_tokens} "
                    + " ".join(f"--variant '{v}'" for v in variants) + f" --out {args.out}"}, indent=1))

@@ -36,10 +36,6 @@ class ServingOptions:
     extend_backend: the SGLang attention backend that runs prefill/extend (dense), e.g.
         ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
         choice for the device (``serving.extend``).
-    overlap_schedule: keep SGLang's overlap scheduler on a CPU server. Off by default there: its
-        scheduler thread runs beside the forward and competes with the decode step's OpenMP
-        threads for the cores (on 2 cores the step took 19 ms per layer instead of 1.0 ms,
-        docs/benchmarks.md); GPU servers keep SGLang's setting.
 
     Launch parameters of tuned profiles are fields of this class.
     """
@@ -50,7 +46,6 @@ class ServingOptions:
     huge_pages: bool = True
     step_timing: bool = False
     extend_backend: str = "auto"
-    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("chunk_pages", 1), ("num_threads", 0), ("log_interval", 0)):
@@ -58,7 +53,7 @@ class ServingOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a positive" if low else "a non-negative"
                 raise ValueError(f"{name} must be {kind} int, got {value!r}")
-        for name in ("huge_pages", "step_timing", "overlap_schedule"):
+        for name in ("huge_pages", "step_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():

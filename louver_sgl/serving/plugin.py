@@ -4,8 +4,7 @@ Runs in every SGLang process (launcher, engine, scheduler, detokenizer) through
 ``sglang.srt.plugins.load_plugins``: installs the CPU rotary-embedding stand-in when CUDA is
 absent, adds ``louver`` to the backend registry and the ``--attention-backend`` choices, and wraps
 the ``handle_attention_backend_compatibility`` resolution step so that a louver server gets
-louver's page size, has CUDA graphs and the overlap scheduler turned off on CPU (the CUDA path
-is graph-safe; the overlap scheduler's thread competes with the CPU step's threads), and
+louver's page size, has CUDA graphs turned off on CPU (the CUDA path is graph-safe), and
 fails fast, naming the option, on combinations that would break the index.
 """
 
@@ -69,16 +68,12 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     # Invalid LOUVER_* options (and an explicit LOUVER_PROFILE that does not apply) fail here, at
     # startup; the profile also decides the server page size.
     device = device_type(view)
-    config, serving = resolve_options(device, shapes)[:2] if shapes else load_options()
+    config = resolve_options(device, shapes)[0] if shapes else load_options()[0]
     check_louver_compatible(view, model_config)
     if device == "cuda" and config.family != "grid":
         raise ValueError("louver: the clustered family has no CUDA kernels; use LOUVER_FAMILY=grid on GPUs")
     if device != "cuda":  # the CUDA path is graph-safe; the CPU path is not
         _disable_cuda_graphs(server_args, view)
-        if not serving.overlap_schedule and not getattr(view, "disable_overlap_schedule", True):
-            logger.warning("louver: SGLang's overlap scheduler is off on CPU (its thread competes with the decode "
-                           "step's threads; LOUVER_OVERLAP_SCHEDULE=1 keeps it)")
-            declare_resolution(server_args, "louver", disable_overlap_schedule=True)
     if view.page_size != config.page_size:
         logger.info("louver: setting page_size=%d (index pages are KV pages; was %s)", config.page_size, view.page_size)
         declare_resolution(server_args, "louver", page_size=config.page_size)

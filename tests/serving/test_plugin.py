@@ -48,14 +48,6 @@ def test_resolution_sets_page_size_and_disables_graphs(tiny_model, monkeypatch):
     assert view.page_size == 32
     assert view.cuda_graph_config.decode.backend == "disabled"
     assert view.cuda_graph_config.prefill.backend == "disabled"
-    assert view.disable_overlap_schedule  # the overlap scheduler's thread competes with the CPU step
-
-
-def test_overlap_schedule_kept_on_request(tiny_model, monkeypatch):
-    monkeypatch.setenv("LOUVER_OVERLAP_SCHEDULE", "1")
-    assert not _resolve(tiny_model).disable_overlap_schedule
-    monkeypatch.delenv("LOUVER_OVERLAP_SCHEDULE")
-    assert _resolve(tiny_model, "--disable-overlap-schedule").disable_overlap_schedule
 
 
 @pytest.mark.parametrize(
