@@ -15,11 +15,16 @@ from pathlib import Path
 
 @contextmanager
 def sglang_server(model: str | Path, backend: str, port: int, env: dict[str, str] | None = None,
-                  extra: list[str] | None = None, timeout: float = 300.0, log_path: Path | None = None):
-    """Yield the base URL of ``python -m sglang.launch_server`` on 127.0.0.1:``port`` (CPU)."""
+                  extra: list[str] | None = None, timeout: float = 300.0, log_path: Path | None = None,
+                  max_total_tokens: int | None = 40000):
+    """Yield the base URL of ``python -m sglang.launch_server`` on 127.0.0.1:``port`` (CPU).
+
+    ``max_total_tokens`` None: no ``--max-total-tokens``, so SGLang sizes the KV pool from
+    ``--mem-fraction-static``."""
+    pool = ["--max-total-tokens", str(max_total_tokens)] if max_total_tokens is not None else []
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
-           "--max-total-tokens", "40000", "--skip-server-warmup", *(extra or [])]
+           *pool, "--skip-server-warmup", *(extra or [])]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

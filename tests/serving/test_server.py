@@ -84,3 +84,28 @@ def _concurrent_shared_prefix(url: str, prompt: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda t: generate(url, t, max_new_tokens=8), texts))
     assert all(r["text"] and r["meta_info"]["completion_tokens"] == 8 for r in results)
+
+
+def test_index_memory_is_inside_the_pool_at_the_same_mem_fraction(tmp_path):
+    """Sized by ``--mem-fraction-static`` (no ``--max-total-tokens``), a louver server holds fewer
+    KV tokens than a torch_native one by the ratio its log states: (KV cell + index bytes per
+    token) / KV cell. The pool is large (about 3 GB here) so that the few MiB by which free memory
+    differs between two starts stay well below the 2 % tolerance (27 % difference expected)."""
+    import re
+
+    model = make_tiny_llama(tmp_path / "tiny")
+    tokens, cell = {}, {}
+    for backend in ("torch_native", "louver"):
+        log = tmp_path / f"pool-{backend}.log"
+        env = {"LOUVER_GRID_BITS": "8", "LOUVER_HUGE_PAGES": "0"}
+        with sglang_server(model, backend, _free_port(), env, ["--mem-fraction-static", "0.15"], log_path=log,
+                           max_total_tokens=None):
+            pass
+        text = log.read_text()
+        tokens[backend] = int(re.search(r"max_total_num_tokens=(\d+)", text).group(1))
+        if backend == "louver":
+            kv, index = re.search(r"KV pool cell (\d+) bytes/token \+ index (\d+) bytes/token", text).groups()
+            cell = {"kv": int(kv), "index": int(index)}
+    expected = (cell["kv"] + cell["index"]) / cell["kv"]
+    assert cell["index"] > 0.1 * cell["kv"]  # the 8-bit grid: a difference well above the noise
+    assert tokens["torch_native"] / tokens["louver"] == pytest.approx(expected, rel=0.02), (tokens, cell)
