@@ -1,0 +1,134 @@
+"""Serving grid with SGLang's own benchmark: louver policies vs torch_native, fp32, on CPU.
+
+One server per configuration (``torch_native``, or louver with one policy), SmolLM2-135M in
+fp32 with the main command's YaRN override past 8K tokens; for every input length, concurrency
+and workload it runs ``python -m sglang.benchmark.serving`` (random token ids, or
+``generated-shared-prefix``: one shared document of the input length minus the question, and
+``max(2, concurrency)`` questions over it) and records one row: backend, policy, workload,
+input_len, concurrency, mean TPOT / TTFT, output throughput, and for louver the index pages built
+and reused during that row (from the statistics file). Rows are appended to ``--out`` as they
+finish and a rerun skips the rows already there, so a long grid can be run in pieces.
+
+    python -m benchmarks.serving_grid_cpu --input-lens 8192 16384 32768 --concurrency 1 4 \\
+        --out benchmarks/results/serving_cpu_grid.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+from louver_kernels.cpu_ops import cpu_model_name
+from louver_sgl.data.fetch_model import ensure_model
+from louver_sgl.eval.server import sglang_server
+
+# configuration name -> (backend, policy label, louver environment)
+CONFIGS = {
+    "torch_native": ("torch_native", None, {}),
+    "budget-0.05": ("louver", "budget-0.05", {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.05"}),
+    "certified-1e-3": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"}),
+}
+YARN = json.dumps({"max_position_embeddings": 32768,
+                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 8192, "rope_theta": 100000.0}})
+QUESTION_LEN = 100
+KEYS = ("mean_tpot_ms", "mean_ttft_ms", "median_ttft_ms", "output_throughput", "mean_itl_ms", "duration",
+        "completed")
+
+
+def workload_args(workload: str, input_len: int, concurrency: int, output_len: int) -> list[str]:
+    prompts = max(2, concurrency)
+    if workload == "random":
+        return ["--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
+                str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
+    if workload == "shared-prefix":
+        return ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "1", "--gsp-prompts-per-group",
+                str(prompts), "--gsp-system-prompt-len", str(input_len - QUESTION_LEN), "--gsp-question-len",
+                str(QUESTION_LEN), "--gsp-output-len", str(output_len), "--gsp-fast-prepare"]
+    raise ValueError(f"unknown workload {workload!r} (random, shared-prefix)")
+
+
+def bench_serving(url: str, model: Path, args: list[str], concurrency: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
+           "--tokenizer", str(model), "--model", str(model), "--request-rate", "inf", "--seed", "1",
+           "--max-concurrency", str(concurrency), "--output-file", str(out), *args]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    return {k: result.get(k) for k in KEYS}
+
+
+def read_pages(stats: Path) -> tuple[int, int]:
+    try:
+        data = json.loads(stats.read_text())
+        return int(data.get("pages_built", 0)), int(data.get("pages_reused", 0))
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def row_key(row: dict) -> tuple:
+    return row["config"], row["workload"], row["input_len"], row["concurrency"]
+
+
+def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output_len: int, done: set,
+               save) -> None:
+    backend, policy, env = CONFIGS[name]
+    todo = [c for c in cells if (name, *c) not in done]
+    if not todo:
+        return
+    longest = max(n for _, n, _ in todo)
+    extra = ["--dtype", "float32", "--max-total-tokens", str(max(4 * longest + 4096, 40000))]
+    if longest + output_len > 8192:
+        extra += ["--json-model-override-args", YARN]
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        stats = Path(tmp) / "stats.json"
+        server_env = {**env, "LOUVER_STATS_FILE": str(stats)} if backend == "louver" else {}
+        with sglang_server(model, backend, port, server_env, extra, timeout=900,
+                           log_path=Path(tmp) / "server.log", max_total_tokens=None) as url:
+            for workload, input_len, concurrency in todo:
+                before = read_pages(stats)
+                args = workload_args(workload, input_len, concurrency, output_len)
+                result = bench_serving(url, model, args, concurrency, Path(tmp) / "bench.jsonl")
+                after = read_pages(stats)
+                row = {"config": name, "backend": backend, "policy": policy, "workload": workload,
+                       "input_len": input_len, "concurrency": concurrency, "output_len": output_len, **result}
+                if backend == "louver":
+                    row.update(index_pages_built=after[0] - before[0], index_pages_reused=after[1] - before[1])
+                save(row)
+                print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32768])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--workloads", nargs="+", default=["random", "shared-prefix"])
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/serving_cpu_grid.json")
+    args = parser.parse_args()
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32",
+                command="python -m benchmarks.serving_grid_cpu " + " ".join(sys.argv[1:]))
+    done = {row_key(r) for r in data["rows"]}
+
+    def save(row: dict) -> None:
+        data["rows"].append(row)
+        out.write_text(json.dumps(data, indent=1))
+
+    cells = [(w, n, c) for n in args.input_lens for c in args.concurrency for w in args.workloads]
+    for name in args.configs:
+        run_config(name, cells, ensure_model(), args.output_len, done, save)
+
+
+if __name__ == "__main__":
+    main()
