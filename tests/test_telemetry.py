@@ -60,3 +60,21 @@ def test_statistics_file_holds_process_totals_across_windows(tmp_path):
     data = json.loads(path.read_text())
     assert data["decode_forwards"] == 2 and data["sparse_steps"] == 4
     assert data["attended_keys"] == sum(float(_stats(s).candidates.sum()) for s in (0, 2))
+
+
+def test_pending_steps_of_different_batches_sum_as_one_by_one():
+    """The pending steps are summed concatenated; batches of different sizes, short requests and
+    fallbacks give the same counts as adding each step on its own."""
+    steps = [_stats(1), _stats(2, num_indexed=(0, 128)), _stats(3, num_indexed=(64, 0))]
+    gen = torch.Generator().manual_seed(9)
+    packed = torch.rand(3, 5, 4, generator=gen, dtype=torch.float64).mul(100).floor()
+    packed[:, 4, 0] = torch.tensor([0.0, 1.0, 0.0])
+    steps.append(StepStats.from_packed(packed, torch.tensor([256, 512, 0]), torch.tensor([4, 8, 0])))
+    one_by_one = Counts()
+    for stats in steps:
+        one_by_one.add(stats)
+    tel = Telemetry(interval=0)
+    for stats in steps:
+        tel.record_step(stats)
+    tel._sum_pending()
+    assert tel.window == one_by_one
