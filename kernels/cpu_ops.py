@@ -47,6 +47,8 @@ def _build_dir(cache_dir: Path) -> Path:
     # the model name alone does not identify the instruction set: virtual machines report
     # "AMD EPYC" for CPUs with and without AVX-512
     digest = hashlib.sha256(cpu_model_name().encode() + _cpu_flags().encode())
+    # ninja rebuilds a build directory whose sources moved: each checkout gets its own
+    digest.update(str(_SOURCE_DIR.resolve()).encode())
     for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
     key = digest.hexdigest()[:16]
