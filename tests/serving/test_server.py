@@ -1,7 +1,8 @@
 """HTTP server end to end on CPU (``python -m sglang.launch_server``), louver vs dense.
 
-* tiny random Llama: louver ``dense`` policy gives the same greedy tokens as ``torch_native``, and
-  its telemetry reaches the log and, with ``--enable-metrics``, the Prometheus endpoint;
+* tiny random Llama: louver ``dense`` policy gives the same greedy tokens as ``torch_native``, also
+  with no working C++ compiler (the step then runs in torch), and its telemetry reaches the log
+  and, with ``--enable-metrics``, the Prometheus endpoint;
 * SmolLM2-135M with certified eps = 1e-3 answers needle-in-a-haystack questions over Paul Graham
   essays at 2K and ~7.5K tokens, needle at several depths, the same way the dense backend does;
 * concurrent requests sharing a long prefix all complete.
@@ -40,14 +41,20 @@ def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
     rng = random.Random(1)
     prompts = [" ".join(str(rng.randrange(vocab)) for _ in range(n)) for n in (40, 150, 300)]
     outputs, metrics = {}, ""
-    runs = (("torch_native", {}, []), ("louver", {"LOUVER_POLICY": "dense", "LOUVER_LOG_INTERVAL": "1",
-                                               "LOUVER_DENSE_FALLBACK_FRACTION": "1.0"}, ["--enable-metrics"]))
-    for backend, env, extra in runs:
-        with sglang_server(model, backend, _free_port(), env, extra, log_path=tmp_path / f"{backend}.log") as url:
-            outputs[backend] = [generate(url, p, max_new_tokens=16)["output_ids"] for p in prompts]
-            if backend == "louver":
+    dense = {"LOUVER_POLICY": "dense", "LOUVER_LOG_INTERVAL": "1", "LOUVER_DENSE_FALLBACK_FRACTION": "1.0"}
+    # the fault run: no working C++ compiler and an empty kernel cache, so the step runs in torch
+    no_compiler = {**dense, "CXX": "/bin/false", "LOUVER_KERNEL_CACHE": str(tmp_path / "empty-cache")}
+    runs = (("torch_native", "torch_native", {}, []), ("louver", "louver", dense, ["--enable-metrics"]),
+            ("louver-no-compiler", "louver", no_compiler, []))
+    for name, backend, env, extra in runs:
+        with sglang_server(model, backend, _free_port(), env, extra, log_path=tmp_path / f"{name}.log") as url:
+            outputs[name] = [generate(url, p, max_new_tokens=16)["output_ids"] for p in prompts]
+            if name == "louver":
                 metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     assert outputs["louver"] == outputs["torch_native"]
+    assert outputs["louver-no-compiler"] == outputs["torch_native"]
+    fault_log = (tmp_path / "louver-no-compiler.log").read_text()
+    assert "louver CPU kernels unavailable, using the torch path" in fault_log
     assert "sglang:louver_attended_fraction" in metrics and "sglang:louver_index_pages_built" in metrics
     assert "sglang:louver_sparse_request_steps" in metrics
     log = (tmp_path / "louver.log").read_text()
