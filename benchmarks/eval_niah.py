@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from louver_sgl.data.texts import load_text
 from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
                                   found, found_all)
-from louver_sgl.eval.server import generate, sglang_server
+from louver_sgl.eval.server import free_port, generate, sglang_server
 
 DENSE = "torch_native"
 CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05", "certified-1e-4", "budget-0.2"]
@@ -79,7 +78,7 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: 
 
     backend, env = server_setup(config)
     (cache_dir / config).mkdir(parents=True, exist_ok=True)
-    with sglang_server(model, backend, _free_port(), env, extra=["--dtype", dtype],
+    with sglang_server(model, backend, free_port(), env, extra=["--dtype", dtype],
                        log_path=cache_dir / config / "server.log") as url:
         return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))
                 for pid, (kind, prompt) in tqdm(prompts.items(), desc=config)}
@@ -108,10 +107,6 @@ def compare(cells: dict[str, dict[str, dict]]) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 import urllib.request
@@ -27,26 +26,15 @@ from pathlib import Path
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
 from louver_sgl.data.texts import load_text
-from louver_sgl.eval.server import sglang_server
+from louver_sgl.eval.server import YARN_32K_ARGS, free_port, sglang_server
 
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_GRID_BITS": "4", "LOUVER_PAGE_SIZE": "128", "LOUVER_POLICY": "budget",
        "LOUVER_BUDGET": "0.05", "LOUVER_MIN_SPARSE_TOKENS": "0", "LOUVER_STEP_TIMING": "1"}
 ARGS = ["--dtype", "float32", "--max-total-tokens", "40000"]
-# the main command's context extension (scripts/run.sh): YaRN factor 4 to 32K tokens
-YARN = ["--json-model-override-args", json.dumps({
-    "max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                          "original_max_position_embeddings": 8192,
-                                                          "rope_theta": 100000.0}})]
 
 
 def server_args(prompt_tokens: int) -> list[str]:
-    return ARGS + (YARN if prompt_tokens > 8000 else [])
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return ARGS + (YARN_32K_ARGS if prompt_tokens > 8000 else [])
 
 
 def streamed(url: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -71,7 +59,7 @@ def run_variant(ids: list[int], new_tokens: int, variant: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         env = {**ENV, **variant_env, "LOUVER_STATS_FILE": str(stats)}
-        with sglang_server(ensure_model(), "louver", _port(), env, server_args(len(ids)) + extra, timeout=600,
+        with sglang_server(ensure_model(), "louver", free_port(), env, server_args(len(ids)) + extra, timeout=600,
                            log_path=Path(tmp) / "server.log") as url:
             ttft, tpot = streamed(url, ids, new_tokens)
             time.sleep(1.0)

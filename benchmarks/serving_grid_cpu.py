@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import sglang_server
+from louver_sgl.eval.server import YARN_32K_ARGS, free_port, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -34,9 +33,6 @@ CONFIGS = {
     "budget-0.05": ("louver", "budget-0.05", {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.05"}),
     "certified-1e-3": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"}),
 }
-YARN = json.dumps({"max_position_embeddings": 32768,
-                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                       "original_max_position_embeddings": 8192, "rope_theta": 100000.0}})
 QUESTION_LEN = 100
 KEYS = ("mean_tpot_ms", "mean_ttft_ms", "median_ttft_ms", "output_throughput", "mean_itl_ms", "duration",
         "completed")
@@ -84,14 +80,11 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
     longest = max(n for _, n, _ in todo)
     extra = ["--dtype", "float32", "--max-total-tokens", str(max(4 * longest + 4096, 40000))]
     if longest + output_len > 8192:
-        extra += ["--json-model-override-args", YARN]
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
+        extra += YARN_32K_ARGS
+    with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         server_env = {**env, "LOUVER_STATS_FILE": str(stats)} if backend == "louver" else {}
-        with sglang_server(model, backend, port, server_env, extra, timeout=900,
+        with sglang_server(model, backend, free_port(), server_env, extra, timeout=900,
                            log_path=Path(tmp) / "server.log", max_total_tokens=None) as url:
             for workload, input_len, concurrency in todo:
                 before = read_pages(stats)

@@ -5,12 +5,28 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+
+# SmolLM2's 8K context stretched to 32K by YaRN, as scripts/run.sh serves it (SGLang reads the
+# context length from max_position_embeddings)
+YARN_32K_ARGS = ["--json-model-override-args", json.dumps({
+    "max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 8192,
+                                                          "rope_theta": 100000.0}})]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextmanager

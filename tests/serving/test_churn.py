@@ -9,7 +9,6 @@ and dropped by the client mid-stream, the sparse path forced (no minimum length,
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import pytest
@@ -17,17 +16,13 @@ import pytest
 from louver_sgl.data.fetch_model import ensure_model
 from louver_sgl.data.texts import load_text
 from louver_sgl.eval.churn import ChurnPlan, probe_answers, run_churn
-from louver_sgl.eval.server import sglang_server
+from louver_sgl.eval.server import free_port, sglang_server
 
 pytestmark = pytest.mark.slow
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_PAGE_SIZE": "16", "LOUVER_MIN_SPARSE_TOKENS": "0",
        "LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_churn_completes_every_request_and_keeps_probe_answers(tmp_path):
@@ -36,7 +31,7 @@ def test_churn_completes_every_request_and_keeps_probe_answers(tmp_path):
     probes = [" ".join(words[i: i + 350]) + "\n\nSummarize the passage in one sentence:" for i in (0, 5000, 20000)]
     stats = tmp_path / "stats.json"
     extra = ["--dtype", "float32", "--max-total-tokens", "6000", "--max-running-requests", "8"]
-    with sglang_server(ensure_model(), "louver", _free_port(), {**ENV, "LOUVER_STATS_FILE": str(stats)}, extra,
+    with sglang_server(ensure_model(), "louver", free_port(), {**ENV, "LOUVER_STATS_FILE": str(stats)}, extra,
                        log_path=tmp_path / "server.log") as url:
         first = probe_answers(url, probes)
         before = probe_answers(url, probes)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
-import socket
 import urllib.request
 
 import pytest
@@ -22,16 +21,12 @@ from louver_sgl.data.fetch_model import ensure_model
 from louver_sgl.data.texts import load_text
 from louver_sgl.data.tiny_model import make_tiny_llama
 from louver_sgl.eval.niah import build_prompt, found
-from louver_sgl.eval.server import generate, sglang_server
+from louver_sgl.eval.server import free_port, generate, sglang_server
 
 pytestmark = pytest.mark.slow
 LENGTHS = (2048, 7500)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 DEPTHS = (0.1, 0.5, 0.9)
 
 
@@ -47,7 +42,7 @@ def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
     runs = (("torch_native", "torch_native", {}, []), ("louver", "louver", dense, ["--enable-metrics"]),
             ("louver-no-compiler", "louver", no_compiler, []))
     for name, backend, env, extra in runs:
-        with sglang_server(model, backend, _free_port(), env, extra, log_path=tmp_path / f"{name}.log") as url:
+        with sglang_server(model, backend, free_port(), env, extra, log_path=tmp_path / f"{name}.log") as url:
             outputs[name] = [generate(url, p, max_new_tokens=16)["output_ids"] for p in prompts]
             if name == "louver":
                 metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
@@ -75,7 +70,7 @@ def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
     model = ensure_model()
     answers = {}
     for backend, env in (("torch_native", {}), ("louver", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"})):
-        with sglang_server(model, backend, _free_port(), env, log_path=tmp_path / f"{backend}.log") as url:
+        with sglang_server(model, backend, free_port(), env, log_path=tmp_path / f"{backend}.log") as url:
             answers[backend] = [generate(url, p.text)["text"] for p in niah_prompts]
             if backend == "louver":
                 _concurrent_shared_prefix(url, niah_prompts[0].text)
@@ -105,7 +100,7 @@ def test_index_memory_is_inside_the_pool_at_the_same_mem_fraction(tmp_path):
     for backend in ("torch_native", "louver"):
         log = tmp_path / f"pool-{backend}.log"
         env = {"LOUVER_GRID_BITS": "8", "LOUVER_HUGE_PAGES": "0"}
-        with sglang_server(model, backend, _free_port(), env, ["--mem-fraction-static", "0.15"], log_path=log,
+        with sglang_server(model, backend, free_port(), env, ["--mem-fraction-static", "0.15"], log_path=log,
                            max_total_tokens=None):
             pass
         text = log.read_text()
