@@ -131,7 +131,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch):
+def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch, impl: str = "triton"):
     h_kv, dim = case.k_cache.shape[1:]
     store = PageIndexStore(config, case.k_cache.shape[0] // case.page_size, h_kv, dim, case.k_cache.dtype, DEVICE)
     sync()
@@ -140,7 +140,7 @@ def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch):
     sync()
     build_s = time.perf_counter() - t0
     shapes = HeadShapes(case.q.shape[1], h_kv, dim, dim)
-    decode = LouverDecode(config, DEVICE, impl="triton", launch=launch, shapes=shapes, max_batch=case.batch,
+    decode = LouverDecode(config, DEVICE, impl=impl, launch=launch, shapes=shapes, max_batch=case.batch,
                           max_pages=case.page_table.shape[1])
     decode.plan(case.page_table, case.seq_lens)
     out = torch.empty_like(case.q)
@@ -224,11 +224,11 @@ def reference_out(case: PagedCase, rows: int = 2) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_exactness(layer, page_size: int, dtype, tokens: int) -> list[dict]:
+def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)) -> list[dict]:
     """Recall vs fp64 and certified mass on the captured trace (batch 4, ``tokens`` context with a
-    partial tail page)."""
+    partial tail page), for every implementation in ``impls``."""
     results = []
-    for shape in SHAPES:
+    for impl, shape in ((i, s) for i in impls for s in SHAPES):
         case = PagedCase(layer, shape, tokens - 17, 4, page_size, dtype)
         case.seq_lens.fill_(case.context)
         full = case.page_table.shape[1] * page_size
@@ -237,7 +237,7 @@ def check_exactness(layer, page_size: int, dtype, tokens: int) -> list[dict]:
             h_kv, dim = case.k_cache.shape[1:]
             store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE)
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
-            decode = LouverDecode(config, DEVICE, impl="triton").plan(case.page_table, case.seq_lens)
+            decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
             _, stats, masks = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
             attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool)
             for b, m in enumerate(masks):
@@ -254,7 +254,7 @@ def check_exactness(layer, page_size: int, dtype, tokens: int) -> list[dict]:
                 bound = stats.mass_bound[b]
                 worst_ratio = max(worst_ratio, float((dropped / bound.clamp(min=1e-300)).max()))
                 keys += int(mask.numel())
-            results.append(dict(shape=shape, policy=policy, **extra, context=case.context, batch=case.batch,
+            results.append(dict(impl=impl, shape=shape, policy=policy, **extra, context=case.context, batch=case.batch,
                                 keys_checked=keys, false_negatives=missed, recall=1.0 if missed == 0 else None,
                                 max_bound=float(stats.mass_bound.max()), dropped_over_bound_max=worst_ratio,
                                 candidate_fraction=float(stats.candidates.sum() / (stats.num_indexed.sum() * case.q.shape[1]))))
@@ -262,12 +262,16 @@ def check_exactness(layer, page_size: int, dtype, tokens: int) -> list[dict]:
     return results
 
 
-def check_graph_replay(layer, page_size: int, dtype) -> dict:
-    """A captured louver step replayed on new inputs equals the eager step on them."""
+def check_graph_replay(layer, page_size: int, dtype, impls=("triton",)) -> dict:
+    """Per implementation: a captured louver step replayed on new inputs equals the eager step on them."""
+    return {impl: graph_replay_one(layer, page_size, dtype, impl) for impl in impls}
+
+
+def graph_replay_one(layer, page_size: int, dtype, impl: str) -> dict:
     case = PagedCase(layer, "smollm2", 8192, 4, page_size, dtype)
     config = LouverConfig(page_size=page_size, policy="certified", eps=1e-3)
     launch = TritonLaunch()
-    step, out, holder, _, _ = louver_method(case, config, launch)
+    step, out, holder, _, _ = louver_method(case, config, launch, impl)
     case.seq_lens.copy_(torch.tensor([8192, 5000, 700, 65], dtype=torch.int32))
     step()
     if DEVICE != "cuda":
@@ -343,7 +347,7 @@ def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[str, TritonLaunch
             timed.append((graph_time(step), launch))
         for ms, launch in timed:
             rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=config.grid_bits, ms=ms,
-                             launch=launch.__dict__))
+                             launch=launch.__dict__, impl=impl))
             log("sweep", json.dumps(rows[-1]))
         best[shape] = min(timed, key=lambda x: x[0])[1]
         del case
@@ -378,8 +382,8 @@ def time_case(layer, shape, context, batch, args, dtype, policies, bandwidth) ->
     sgl = {k: v for k, v in dense.items() if k.startswith("sglang_triton")}
     best_sgl = min(sgl, key=sgl.get) if sgl else None
     ref = reference_out(case)
-    for label, config, launch in policies:
-        step, lout, holder, store, build_s = louver_method(case, config, launch)
+    for label, config, launch, impl in policies:
+        step, lout, holder, store, build_s = louver_method(case, config, launch, impl)
         ms = graph_time(step)
         step(with_stats=True)
         stats = holder["stats"]
@@ -398,7 +402,7 @@ def time_case(layer, shape, context, batch, args, dtype, policies, bandwidth) ->
                    build_ms_per_1k_tokens=build_s * 1e3 / (case.batch * context / 1e3),
                    index_bytes_fraction=store.nbytes() / case.dense_bytes(),
                    config={k: getattr(config, k) for k in ("policy", "eps", "budget", "grid_bits", "page_size")},
-                   launch=launch.__dict__)
+                   launch=launch.__dict__, impl=impl)
         rows.append(row)
         del store
         log(json.dumps(row))
@@ -429,6 +433,8 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--impls", nargs="+", default=["triton", "triton_stream"],
+                        help="louver decode implementations timed (fused split kernels, streaming filter)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
@@ -448,8 +454,8 @@ def main() -> int:
     log(f"device {result['device']}; copy bandwidth {bandwidth:.0f} GB/s")
     if not args.skip_checks:
         tokens = args.check_tokens or layer["keys"].shape[0]
-        result["exactness"] = guarded(check_exactness, [], layer, args.page_size, dtype, tokens)
-        result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype)
+        result["exactness"] = guarded(check_exactness, [], layer, args.page_size, dtype, tokens, args.impls)
+        result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype, args.impls)
     if not args.skip_checks:
         result["profile"] = guarded(profile_breakdown, [], layer, args, dtype)
     best = {shape: TritonLaunch() for shape in args.shapes}
@@ -460,9 +466,13 @@ def main() -> int:
     for shape in args.shapes:
         launch = best[shape]
         policies = []
-        for bits in args.bits:
-            policies.append((f"louver_budget0.05_g{bits}", LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=bits), launch))
-            policies.append((f"louver_cert1e-3_g{bits}", LouverConfig(page_size=args.page_size, policy="certified", eps=1e-3, grid_bits=bits), launch))
+        for impl in args.impls:
+            tag = "" if impl == "triton" else f"_{impl.removeprefix('triton_')}"
+            for bits in args.bits:
+                budget = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=bits)
+                certified = LouverConfig(page_size=args.page_size, policy="certified", eps=1e-3, grid_bits=bits)
+                policies.append((f"louver{tag}_budget0.05_g{bits}", budget, launch, impl))
+                policies.append((f"louver{tag}_cert1e-3_g{bits}", certified, launch, impl))
         for context in args.contexts:
             for batch in args.batches:
                 try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_32K_ARGS, free_port, sglang_server
+from louver_sgl.eval.server import YARN_32K_ARGS, free_port, generate, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -53,7 +53,10 @@ def workload_args(workload: str, input_len: int, concurrency: int, output_len: i
 def bench_serving(url: str, model: Path, args: list[str], concurrency: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
            "--tokenizer", str(model), "--model", str(model), "--request-rate", "inf", "--seed", "1",
-           "--max-concurrency", str(concurrency), "--output-file", str(out), *args]
+           "--max-concurrency", str(concurrency), "--output-file", str(out),
+           # bench_serving's warmup sends the first prompt itself, so the first measured request
+           # would hit the radix cache: no warmup (the server was warmed once), cache flushed
+           "--warmup-requests", "0", "--flush-cache", *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
     result = json.loads(out.read_text().strip().splitlines()[-1])
     return {k: result.get(k) for k in KEYS}
@@ -86,6 +89,7 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
         server_env = {**env, "LOUVER_STATS_FILE": str(stats)} if backend == "louver" else {}
         with sglang_server(model, backend, free_port(), server_env, extra, timeout=900,
                            log_path=Path(tmp) / "server.log", max_total_tokens=None) as url:
+            generate(url, "Warm up the server once before the measured rows.", max_new_tokens=8)
             for workload, input_len, concurrency in todo:
                 before = read_pages(stats)
                 args = workload_args(workload, input_len, concurrency, output_len)

@@ -34,6 +34,11 @@ class LouverConfig:
       policy: "certified" (dropped softmax mass provably < eps), "budget" (sample quantile aiming
         at a fraction ``budget`` of keys), "fixed" (T = ``fixed_threshold``), "dense" (T = −inf).
       eps, budget, fixed_threshold: parameters of those policies.
+      certified_passes: how a certified step finds T. 2: a histogram pass over every token bound
+        chooses the highest level that fits, then the attend pass gates there. 1: the attend pass
+        gates at a provisional level low enough that the mass it drops always fits
+        (``threshold.safe_level``) and certifies its own dropped mass; a request whose check
+        fails takes the two passes. One pass reads the codes once but keeps more candidates.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 
@@ -58,6 +63,7 @@ class LouverConfig:
     eps: float = 1e-3
     budget: float = 0.1
     fixed_threshold: float = 0.0
+    certified_passes: int = 2
     sample_size: int = 256
     sink_pages: int = 1
     recent_pages: int = 1
@@ -91,6 +97,7 @@ class LouverConfig:
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget must lie in (0, 1], got {self.budget}")
         _check_finite("fixed_threshold", self.fixed_threshold)
+        _check_choice("certified_passes", self.certified_passes, (1, 2))
         _check_int("sample_size", self.sample_size, 1, 1 << 20)
         _check_int("sink_pages", self.sink_pages, 0, 1 << 20)
         _check_int("recent_pages", self.recent_pages, 0, 1 << 20)

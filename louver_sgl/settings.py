@@ -36,6 +36,9 @@ class ServingOptions:
     extend_backend: the SGLang attention backend that runs prefill/extend (dense), e.g.
         ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
         choice for the device (``serving.extend``).
+    cuda_decode: the decode implementation on CUDA devices: ``triton`` (filter and attention fused
+        per split) or ``triton_stream`` (a filter pass that compacts survivors, then attention over
+        them); a launch parameter of CUDA profiles, searched by ``louver-tune``.
 
     Launch parameters of tuned profiles are fields of this class.
     """
@@ -46,6 +49,7 @@ class ServingOptions:
     huge_pages: bool = True
     step_timing: bool = False
     extend_backend: str = "auto"
+    cuda_decode: str = "triton"
 
     def __post_init__(self) -> None:
         for name, low in (("chunk_pages", 1), ("num_threads", 0), ("log_interval", 0)):
@@ -58,8 +62,11 @@ class ServingOptions:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():
             raise ValueError(f"extend_backend must be a backend name or 'auto', got {self.extend_backend!r}")
+        if self.cuda_decode not in CUDA_DECODE:
+            raise ValueError(f"cuda_decode must be one of {list(CUDA_DECODE)}, got {self.cuda_decode!r}")
 
 
+CUDA_DECODE = ("triton", "triton_stream")  # the Triton decode implementations (``decode.api``)
 OPTION_FIELDS = {f.name: f for cls in (LouverConfig, ServingOptions) for f in dataclasses.fields(cls)}
 
 # variable -> (Environment field, meaning)

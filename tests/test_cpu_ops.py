@@ -172,7 +172,7 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     step_plan = OPS.StepPlan(**plan_tensors, num_indexed=plan.num_indexed, page_req=plan.page_req,
                              q32=torch.empty(len(LENS), 6, 64), **b.named())
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **index, **policy, fallback_fraction=0.02, eps_budget=-1.0,
-                          rounding=0.0, **EDGES.kernel_args())
+                          one_pass=False, rounding=0.0, **EDGES.kernel_args())
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -197,7 +197,8 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
     store = PageIndexStore(LouverConfig(page_size=16, grid_bits=4), len(k) // 16, 2, 64, torch.float32)
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **{n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")},
                           sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4,
-                          page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, **EDGES.kernel_args())
+                          page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, one_pass=False,
+                          **EDGES.kernel_args())
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):

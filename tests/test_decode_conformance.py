@@ -31,7 +31,9 @@ from louver_sgl.decode.contract import VALUE_GATE, RequestLayout, gates_values  
 
 IMPLS = available_implementations("cpu")
 LENS = [300, 701, 20, 64, 129]
-POLICIES = {"certified": dict(policy="certified", eps=0.05), "budget": dict(policy="budget", budget=0.1),
+POLICIES = {"certified": dict(policy="certified", eps=0.05),
+            "certified-one-pass": dict(policy="certified", eps=0.05, certified_passes=1),
+            "budget": dict(policy="budget", budget=0.1),
             "fixed": dict(policy="fixed", fixed_threshold=3.0), "dense": dict(policy="dense")}
 # (name, page size, KV heads, group size, extra config)
 LAYOUTS = [
@@ -44,11 +46,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _case(impl, policy, layout, dtype, value_gate=True, seed=0):
     name, size, h_kv, groups, extra = layout
-    if impl == "triton" and dtype == torch.bfloat16:
+    if impl.startswith("triton") and dtype == torch.bfloat16:
         pytest.skip("bf16 tl.dot is not faithful under the Triton interpreter (GPU runs cover it)")
     config = LouverConfig(page_size=size, sample_size=32, value_gate=value_gate, **POLICIES[policy], **extra)
     k, v, table, lens = make_paged(LENS, size, h_kv, 64, seed=seed, dtype=dtype)
-    layout_kw = dict(code_layout="token") if impl == "triton" else {}
+    layout_kw = dict(code_layout="token") if impl.startswith("triton") else {}
     store = PageIndexStore(config, len(k) // size, h_kv, 64, dtype, **layout_kw)
     store.build_pages(k, torch.arange(store.num_pages))
     q = (torch.randn(len(LENS), h_kv * groups, 64, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(dtype)
@@ -59,7 +61,12 @@ def _step(impl, config, q, k, v, table, lens, store, sigma):
     """(out, stats, attended masks) of one step through the wrapper; the compiled CPU path's
     attended set is rebuilt from its T and the int8 bounds it gates with (and checked against its
     own counts by the caller)."""
-    decode = LouverDecode(config, "cpu", impl=impl, launch={"chunk_pages": 3} if impl == "cpu" else None)
+    try:
+        decode = LouverDecode(config, "cpu", impl=impl, launch={"chunk_pages": 3} if impl == "cpu" else None)
+    except ValueError as exc:  # an option this implementation refuses, by name
+        if config.certified_passes == 1 and f"certified_passes=1 is not supported by the '{impl}'" in str(exc):
+            pytest.skip(str(exc))
+        raise
     decode.plan(table, lens)
     if impl != "cpu":
         return decode.run(q, k, v, store, sigma, attended=True)

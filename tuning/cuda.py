@@ -16,14 +16,20 @@ from louver_sgl.decode import HeadShapes, LouverDecode
 
 from .target import StepFn, Target, TimedPoint
 
-# Launch parameters searched (the rest keep their defaults); names are ``TritonLaunch`` fields.
+# Launch parameters searched (the rest keep their defaults); names are ``TritonLaunch`` fields,
+# except ``cuda_decode`` (a ``ServingOptions`` field: the implementation the step runs).
 LAUNCH_CHOICES = {
+    "cuda_decode": ("triton", "triton_stream"),  # a serving option: which Triton implementation
     "pages_per_split": (4, 8, 16, 32, 64),
     "attend_warps": (2, 4, 8),
     "attend_stages": (1, 2, 3),
     "hist_warps": (2, 4, 8),
     "exact_warps": (2, 4, 8),
     "merge_block": (8, 16, 32),
+    "filter_warps": (2, 4, 8),
+    "filter_stages": (1, 2, 3),
+    "survivor_block": (32, 64, 128),
+    "survivor_warps": (2, 4, 8),
 }
 
 
@@ -56,7 +62,7 @@ class CudaTarget(Target):
         return {name: CategoricalDistribution(list(values)) for name, values in LAUNCH_CHOICES.items()}
 
     def default_launch(self) -> dict[str, Any]:
-        defaults = asdict(TritonLaunch())
+        defaults = {**asdict(TritonLaunch()), "cuda_decode": "triton"}
         return {name: defaults[name] for name in LAUNCH_CHOICES}
 
     def timer(self) -> CudaEventTimer:
@@ -73,8 +79,8 @@ class CudaTarget(Target):
         triton_launch = TritonLaunch.from_dict({k: v for k, v in launch.items() if k in known})
         q = batch.q.to(batch.k.dtype)
         shapes = HeadShapes(q.shape[1], batch.k.shape[1], batch.k.shape[2], batch.v.shape[2])
-        decode = LouverDecode(config, self.device, impl="triton", launch=triton_launch, shapes=shapes,
-                              max_batch=q.shape[0], max_pages=batch.page_table.shape[1])
+        decode = LouverDecode(config, self.device, impl=launch.get("cuda_decode", "triton"), launch=triton_launch,
+                              shapes=shapes, max_batch=q.shape[0], max_pages=batch.page_table.shape[1])
         decode.plan(batch.page_table, batch.seq_lens)  # into the workspace, once: the graph replays the run
         out = torch.empty_like(q)
 

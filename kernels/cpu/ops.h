@@ -53,7 +53,9 @@ struct StepPlan {
 // t_fixed, −inf for the dense policy); value_gate with its margin gate_rel (the gate level is T −
 // gate_rel·(|T| + 1)); bits, page_size; fallback_fraction; eps_budget (>= 0: the certified T of
 // the certified pass with that budget, rounding and the edges edge_low/edge_step/edge_count/
-// edge_margin, its certificate as the index-dropped mass, no value gate). run(q, plan, out) is
+// edge_margin, its certificate as the index-dropped mass, no value gate; with one_pass the attend
+// pass first gates at the provisional level and certifies its own dropped mass, and only requests
+// whose check fails take that certified pass and a second attend pass). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
 // output in out (or a new tensor of q's dtype), in one call: at batch 1 each Python-level op or
 // argument of a step costs microseconds once a layer has swept the caches. Returns (out, packed
@@ -65,7 +67,7 @@ struct LayerStep {
                                                      std::optional<torch::Tensor> out) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
   double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding;
-  bool value_gate;
+  bool value_gate, one_pass;
   int64_t bits, page_size;
   louver_cpu::Edges edges;
 };

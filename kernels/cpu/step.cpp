@@ -10,7 +10,9 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <vector>
 
 using namespace louver_cpu;
@@ -117,6 +119,55 @@ void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name
               " must be a contiguous CPU tensor of dtype ", dtype);
 }
 
+// The provisional level of the one-pass certified rule (threshold.safe_level): per (request, head)
+// T_p = ref + ln(eps_budget·Z_lb / ((1 + rounding)·n_indexed)) / σ, rounded down to fp32; every
+// dropped unit's bound is below T_p, so the mass it drops is below n_indexed·e^{σ(T_p − ref)} and
+// the check passes. −inf where nothing is indexed or a term is not finite.
+void provisional_levels(StepPlan& p, double sigma, double eps_budget, double rounding) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
+  const float* ref = p.ref.data_ptr<float>();
+  const double* z_lb = p.z_lb.data_ptr<double>();
+  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
+  float* t = p.t.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double level = double(ref[i]) + std::log(eps_budget * z_lb[i] / ((1.0 + rounding) * double(n_idx[b]))) / sigma;
+      float down = static_cast<float>(level);
+      if (double(down) > level) down = std::nextafter(down, -INFINITY);
+      t[i] = (n_idx[b] > 0 && std::isfinite(level)) ? down : -INFINITY;
+    }
+}
+
+// The one-pass check (threshold.provisional_certified): a head is certified at its provisional T
+// when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z_lb; that
+// product is its certificate. Returns per request whether some head failed (NaN fails).
+std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
+  const double* masses = p.masses.data_ptr<double>();
+  const double* z_lb = p.z_lb.data_ptr<double>();
+  double* cert = p.certificate.data_ptr<double>();
+  std::vector<char> failed(B, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      cert[i] = masses[3 * i] * (1.0 + rounding);
+      if (!(cert[i] <= eps_budget * z_lb[i])) failed[b] = 1;
+    }
+  return failed;
+}
+
+// Rows b of t / certificate not in ``failed`` put back from the kept copies ([B, H_q] each).
+void keep_rows(const std::vector<char>& failed, const torch::Tensor& t_kept, torch::Tensor& t,
+               const torch::Tensor& cert_kept, torch::Tensor& cert) {
+  const int64_t H = t.size(1);
+  for (int64_t b = 0; b < static_cast<int64_t>(failed.size()); ++b) {
+    if (failed[b]) continue;
+    std::copy_n(t_kept.data_ptr<float>() + b * H, H, t.data_ptr<float>() + b * H);
+    std::copy_n(cert_kept.data_ptr<double>() + b * H, H, cert.data_ptr<double>() + b * H);
+  }
+}
+
 }  // namespace
 
 StepPlan::StepPlan(Named& n) {
@@ -151,7 +202,8 @@ LayerStep::LayerStep(Named& n)
       radius(n.tensor("radius")), codes(n.tensor("codes")), sigma(n.real("sigma")), budget(n.real("budget")),
       t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
       eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), value_gate(n.flag("value_gate")),
-      bits(n.integer("bits")), page_size(n.integer("page_size")), edges(Edges::read(n)) {
+      one_pass(n.flag("one_pass")), bits(n.integer("bits")), page_size(n.integer("page_size")),
+      edges(Edges::read(n)) {
   n.done();
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
@@ -204,7 +256,20 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
+    if (!one_pass) {
+      run_certified_pass(c);
+      return run(kAttendMerge);
+    }
+    provisional_levels(p, sigma, eps_budget, rounding);
+    run(kAttendMerge);
+    chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding);
+    if (std::find(failed.begin(), failed.end(), 1) == failed.end()) return;
+    // the rare path: the certified pass (every request), then the passing requests' provisional
+    // T and certificate put back, and one more attend pass
+    const torch::Tensor t_kept = p.t.clone(), cert_kept = p.certificate.clone();
     run_certified_pass(c);
+    keep_rows(failed, t_kept, p.t, cert_kept, p.certificate);
     run(kAttendMerge);
   });
   chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);

@@ -7,8 +7,10 @@
     out, stats, attended = decode.run(..., attended=True)     # + attended key set (torch, triton)
 
 Implementations register by name (``register_implementation``): ``torch`` (vectorised torch, both
-bound families), ``cpu`` (the compiled CPU kernels) and ``triton`` (the GPU kernels; on CPU under
-``TRITON_INTERPRET=1`` for tests). ``auto`` picks ``triton`` on CUDA devices and on CPU ``cpu``
+bound families), ``cpu`` (the compiled CPU kernels), ``triton`` (the GPU kernels, filter and
+attention fused per split) and ``triton_stream`` (the GPU kernels with a separate filter pass that
+compacts survivors, then attention over them); both Triton ones run on CPU under
+``TRITON_INTERPRET=1`` for tests. ``auto`` picks ``triton`` on CUDA devices and on CPU ``cpu``
 where the kernels build and the config is the grid family, else ``torch``. Every config option
 means the same on every implementation, or the wrapper's constructor raises ``ValueError``
 naming the option and the implementation. ``reference.reference_decode`` is the specification
@@ -30,6 +32,7 @@ _IMPLEMENTATIONS: dict[str, str | type] = {
     "torch": "louver_sgl.decode.step:TorchDecode",
     "cpu": "louver_sgl.decode.fused:CpuDecode",
     "triton": "louver_sgl.decode.gpu:TritonDecode",
+    "triton_stream": "louver_sgl.decode.gpu_stream:TritonStreamDecode",
 }
 
 

@@ -71,6 +71,8 @@ def run_filter(
         t = th.budget_threshold(sample[0], sample[1], config.budget)
     if t is None:  # certified: T depends on every token bound
         tok = store.token_bounds(bounds, page_ids).reshape(len(page_ids), size, heads)
+        if config.certified_passes == 1:
+            return one_pass_filter(pb, tok, page_req, ref, z_lb, sigma, config)
         return certified_filter(pb, tok, page_req, ref, z_lb, sigma, config)
     keep_page = keep_at_least(pb, t[page_req])
     surviving = keep_page.any(dim=1).nonzero()[:, 0]
@@ -96,6 +98,31 @@ def certified_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverC
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
     return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), certificate)
+
+
+def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig) -> FilterResult:
+    """The one-pass certified rule (``threshold.safe_level`` / ``provisional_certified``): gate at
+    the provisional level and certify the mass that gate drops; requests with a head whose check
+    fails take the histogram rule (``certified_filter``) instead. The token bounds of every page
+    are an input here because the failing requests need them; the compiled step computes them
+    a second time only for those."""
+    batch, size = ref.shape[0], tok.shape[1]
+    eps_budget = config.eps * th.BUDGET_SAFETY
+    num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
+    t_p = th.safe_level(ref, z_lb, num_indexed, sigma, eps_budget, th.HIST_ROUNDING)
+    tok_p = torch.minimum(tok, pb[:, None, :])
+    x_page = th.log_mass(pb, ref[page_req], sigma)
+    x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)
+    provisional = _apply(t_p, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)))
+    ok, certificate = th.provisional_certified(provisional.dropped, z_lb, eps_budget, th.HIST_ROUNDING)
+    failed = ~ok.all(dim=1)
+    if not bool(failed.any()):
+        provisional.dropped = certificate
+        return provisional
+    t_c, cert_c, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, eps_budget, th.HIST_ROUNDING)
+    t = torch.where(failed[:, None], t_c, t_p)
+    return _apply(t, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)),
+                  torch.where(failed[:, None], cert_c, certificate))
 
 
 def _apply(t, pb, x_page, tok, x_tok, page_req, rows, certificate=None) -> FilterResult:

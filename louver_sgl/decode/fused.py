@@ -188,7 +188,7 @@ def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, conf
         bits=store.config.grid_bits, page_size=store.page_size,
         fallback_fraction=float(config.dense_fallback_fraction),
         eps_budget=config.eps * th.BUDGET_SAFETY if certified else -1.0, rounding=th.HIST_ROUNDING,
-        **EDGES.kernel_args())
+        one_pass=certified and config.certified_passes == 1, **EDGES.kernel_args())
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor) -> None:

@@ -143,6 +143,8 @@ class TritonDecode(DecodeImplementation):
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
         if config.family != "grid":
             cls.reject("family", config.family, "the Triton kernels read grid codes")
+        if config.policy == "certified" and config.certified_passes == 1:
+            cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
         """Copy the batch into the workspace (device ops only: the copies are captured and replayed
@@ -166,7 +168,7 @@ class TritonDecode(DecodeImplementation):
     def run(self, plan: TritonPlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
         if isinstance(plan.workspace, _Pending):
             plan = self._allocate_for(plan, q, k_cache, v_cache)
-        _check(q, k_cache, v_cache, plan, store, self.config)
+        check_run(q, k_cache, v_cache, plan, store, self.config)
         batch, heads, _ = q.shape
         if out is None:
             out = torch.empty((batch, heads, v_cache.shape[2]), dtype=q.dtype, device=q.device)
@@ -175,10 +177,14 @@ class TritonDecode(DecodeImplementation):
         if attended:
             keep = torch.zeros(batch, heads, plan.workspace.page_table.shape[1] * self.config.page_size,
                                dtype=torch.int8, device=q.device)
-        _step(q, k_cache, v_cache, plan.workspace, store, sigma, self.config, self.launch, out, keep)
-        step_stats = _stats(plan.workspace, heads, self.config) if stats or attended else None
-        masks = _masks(keep, plan.workspace.seq_lens) if attended else None
-        return out, step_stats, masks
+        self.launches(q, k_cache, v_cache, plan.workspace, store, sigma, out, keep)
+        counted = step_stats(plan.workspace, heads, self.config) if stats or attended else None
+        masks = attended_masks(keep, plan.workspace.seq_lens) if attended else None
+        return out, counted, masks
+
+    def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
+        """The kernels of one step on the workspace view ``ws`` of a planned batch."""
+        _step(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
 
     def _allocate_for(self, plan: TritonPlan, q, k_cache, v_cache) -> TritonPlan:
         pending = plan.workspace
@@ -202,6 +208,25 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     h_kv = k_cache.shape[1]
     layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
     lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
+    threshold_pass(q, k_cache, ws, store, sigma, config, launch)
+    attend = dict(layout=layout, min_sparse=min_sparse, bits=config.grid_bits, gate=gates_values(config),
+                  gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
+    kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
+                ws.mass, sigma, **attend)
+    fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
+    if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
+        kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o,
+                    ws.counts, ws.mass, sigma, fallback=ws.fallback, **attend)
+    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+
+
+def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+                   launch: TritonLaunch) -> None:
+    """ws.ref, ws.z_lb, the sample and ws.threshold (T per head under the config's policy; for
+    the certified policy also ws.certificate) of a planned batch."""
+    h_kv = k_cache.shape[1]
+    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     certified = config.policy == "certified"
     kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, launch=launch,
                     budget_threshold=ws.threshold if config.policy == "budget" else None, budget=config.budget,
@@ -213,18 +238,9 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
                             config.grid_bits, EDGES, launch)
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma,
                                  config.eps * BUDGET_SAFETY, HIST_ROUNDING, h_kv, EDGES, launch)
-    attend = dict(layout=layout, min_sparse=min_sparse, bits=config.grid_bits, gate=gates_values(config),
-                  gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
-    kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
-                ws.mass, sigma, **attend)
-    _fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
-    if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
-        kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o,
-                    ws.counts, ws.mass, sigma, fallback=ws.fallback, **attend)
-    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
 
 
-def _fallback_flags(ws: GpuWorkspace, layout: RequestLayout, h_kv: int, fraction: float) -> None:
+def fallback_flags(ws: GpuWorkspace, layout: RequestLayout, h_kv: int, fraction: float) -> None:
     """ws.union = union candidates per request, ws.fallback = those over ``fraction`` of the
     indexed keys (the torch path's comparison), by device ops into the workspace."""
     torch.sum(ws.counts[:, :, :, 2, 0], dim=(1, 2), out=ws.union)
@@ -232,7 +248,7 @@ def _fallback_flags(ws: GpuWorkspace, layout: RequestLayout, h_kv: int, fraction
     torch.gt(ws.union, fraction * total, out=ws.fallback)
 
 
-def _stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
+def step_stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
     batch, h_kv = ws.counts.shape[:2]
     groups = heads // h_kv
     per_head = lambda x: x[..., :groups].sum(2).reshape(batch, heads)
@@ -259,12 +275,12 @@ def _stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
     )
 
 
-def _masks(keep: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+def attended_masks(keep: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
     """Per request, bool ``[H_q, L]`` from the attended buffer (reads the device: audits only)."""
     return [keep[b, :, :n].bool().cpu() for b, n in enumerate(seq_lens.tolist())]
 
 
-def _check(q, k_cache, v_cache, plan: TritonPlan, store, config: LouverConfig) -> None:
+def check_run(q, k_cache, v_cache, plan: TritonPlan, store, config: LouverConfig) -> None:
     if store.config.family != "grid":
         raise ValueError("the 'triton' decode implementation reads grid-family stores")
     if store.code_layout != "token":

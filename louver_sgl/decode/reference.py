@@ -3,7 +3,8 @@
 One request and one query head at a time, with every rule written out directly:
   1. Dense part D = sink pages ∪ recent pages ∪ tail; indexed part = the other full pages.
   2. Exact scores s_i = q·k_i; ref m = max over D ∪ sample; Z_lb = Σ_{D ∪ sample} e^{σ(s − m)}.
-  3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first).
+  3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first; with
+     ``certified_passes=1`` the provisional level where every head's dropped mass fits there).
   4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
      set of every head of a GQA group is the union of the group's candidates, minus (value gate)
      candidates whose exact score is below the head's T (budget and fixed policies only).
@@ -99,11 +100,26 @@ def _threshold_and_keep(pb, tb, s_idx, ref, z_lb, sigma, cfg: LouverConfig):
     elif cfg.policy == "budget":
         t = _budget(s_idx, cfg)
     else:
-        return _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
+        one_pass = _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg) if cfg.certified_passes == 1 else None
+        return one_pass if one_pass is not None else _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
     keep_page = ~(pb < t[:, None])
     keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
     dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
     return t, keep, dropped
+
+
+def _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
+    """The one-pass certified rule: T = the provisional level of every head, kept if every head's
+    dropped mass (times 1 + rounding: the certificate) fits eps·Z_lb; None if one does not (the
+    request then takes the histogram rule)."""
+    size = cfg.page_size
+    eps_budget = cfg.eps * th.BUDGET_SAFETY
+    t = th.safe_level(ref[None], z_lb[None], torch.tensor([u.shape[1]]), sigma, eps_budget, th.HIST_ROUNDING)[0]
+    keep_page = ~(pb < t[:, None])
+    keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
+    dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
+    ok, certificate = th.provisional_certified(dropped, z_lb, eps_budget, th.HIST_ROUNDING)
+    return (t, keep, certificate) if bool(ok.all()) else None
 
 
 def _budget(s_idx, cfg: LouverConfig):

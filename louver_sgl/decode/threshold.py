@@ -10,6 +10,10 @@ dropped key has exact score ≤ u and Z_lb ≤ the true softmax denominator, the
 is < ε. The candidate levels are the fixed edges ``contract.EDGES`` (in units of σ·(T − m)), so the choice
 is one histogram pass plus a cumulative sum (``certified_choice``); the certificate is the
 histogram's sum at the chosen edge plus a bound on its fp64 rounding, with no recount.
+
+One-pass rule (``certified_passes=1``, design notes "Certified in one pass"): gate at the
+provisional level ``safe_level`` and certify the gate's own dropped-mass bound
+(``provisional_certified``); requests with a head whose check fails take the histogram rule.
 """
 
 from __future__ import annotations
@@ -94,6 +98,32 @@ def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tens
     policy's T needs data."""
     value = static_threshold_value(config)
     return None if value is None else torch.full((batch, heads), value)
+
+
+def safe_level(ref: torch.Tensor, z_lb: torch.Tensor, num_indexed: torch.Tensor, sigma: float,
+               eps_budget: float, rounding: float) -> torch.Tensor:
+    """Provisional level of the one-pass certified rule (``certified_passes=1``), per (request,
+    head): T_p = ref + ln(eps_budget·Z_lb / ((1 + rounding)·n)) / σ with n the request's indexed
+    tokens, rounded down to fp32. Every unit the gate drops at T_p has its bound below T_p, so
+    the mass dropped is below n·exp(σ(T_p − ref)), which fits: the check always passes (its
+    rounding aside). −inf where nothing is indexed or a term is not finite.
+
+    ref ``[B, H]`` fp32, z_lb ``[B, H]`` fp64, num_indexed ``[B]`` int -> ``[B, H]`` fp32.
+    """
+    n = num_indexed.to(torch.float64)[:, None]
+    level = ref.to(torch.float64) + torch.log(eps_budget * z_lb / ((1.0 + rounding) * n)) / sigma
+    t32 = level.to(torch.float32)
+    t32 = torch.where(t32.to(torch.float64) > level, torch.nextafter(t32, torch.full_like(t32, -math.inf)), t32)
+    return torch.where((n > 0) & torch.isfinite(level), t32, -math.inf)
+
+
+def provisional_certified(dropped: torch.Tensor, z_lb: torch.Tensor, eps_budget: float,
+                          rounding: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-pass check: (certified ``[B, H]`` bool, certificate ``[B, H]`` fp64). The gate's
+    own dropped-mass bound (fp64, positive terms) times (1 + rounding) bounds the mass dropped
+    whatever the summation order; it is the certificate where it fits eps_budget·Z_lb (NaN fails)."""
+    certificate = dropped * (1.0 + rounding)
+    return certificate <= eps_budget * z_lb, certificate
 
 
 def certified_choice(pb: torch.Tensor, tok: torch.Tensor, page_req: torch.Tensor, ref: torch.Tensor,

@@ -122,7 +122,8 @@ class LouverAttnBackend(AttentionBackend):
         from .cuda_path import CudaDecodePath, cuda_launch
 
         return CudaDecodePath(self.config, cuda_launch(self.selection.profile),
-                              int(model_runner.model_config.context_len), shapes, self.device)
+                              int(model_runner.model_config.context_len), shapes, self.device,
+                              impl=self.serving.cuda_decode)
 
     # ----- metadata and CUDA graphs ---------------------------------------------------------------
 

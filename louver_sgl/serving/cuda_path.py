@@ -12,6 +12,7 @@ workspace grows as needed, so the graphs' buffers never move.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,7 +29,8 @@ def cuda_launch(profile) -> TritonLaunch:
     """Triton launch parameters from a CUDA profile's launch section (defaults without one)."""
     if profile is None or profile.target != "cuda":
         return TritonLaunch()
-    return TritonLaunch.from_dict(profile.launch)
+    known = {f.name for f in dataclasses.fields(TritonLaunch)}  # the rest are serving options
+    return TritonLaunch.from_dict({k: v for k, v in profile.launch.items() if k in known})
 
 
 class CudaDecodePath:

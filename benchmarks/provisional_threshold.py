@@ -1,0 +1,173 @@
+"""How good is a provisional certified threshold? Pass rate of the one-pass check and the
+candidates it keeps, against the histogram rule's certified T, on captured traces.
+
+One-pass certified rule (docs/design-notes.md, "Certified in one pass"): the filter gates at a
+provisional T_p and sums the bound of the mass it drops, D(T_p); if D(T_p)·(1 + rounding) fits
+eps·Z_lb the step is certified at T_p, else the request runs the histogram rule (a second pass).
+Provisional levels compared, per query head:
+
+* ``safe``: ref + ln(eps·Z_lb / ((1 + rounding)·n_indexed)) / σ — every dropped unit is below it,
+  so D(T_p) < n_indexed·exp(σ(T_p − ref)) fits: the check always passes;
+* ``sample-c``: from the token bounds u_j of the step's evenly spaced sample (M of the n indexed
+  keys), the highest u_j at which the sample's estimate of the dropped mass,
+  (n/M)·Σ_{u_i < u_j} exp(σ(u_i − ref)), stays within c·eps·Z_lb; floored at ``safe``;
+* ``previous - d``: the previous decode step's certified T minus d/σ (the trace's queries are
+  consecutive positions), floored at ``safe``.
+
+For each rule: the fraction of (query, head) checks that pass, and the mean ratio of indexed
+candidates kept to those the histogram rule keeps (passing checks; a failing one keeps the
+histogram rule's set at the cost of a second pass).
+
+    python -m benchmarks.provisional_threshold --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
+        --out benchmarks/results/provisional_threshold.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.data.paged import load_trace
+from louver_sgl.decode import threshold as th
+from louver_sgl.decode.plan import _sample_positions, split_pages
+
+MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
+SAMPLE_SHARES = (0.1, 0.25, 0.5)
+
+
+def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, config: LouverConfig, sigma: float):
+    """Per query head of one query over ``keys`` [n, H_kv, D]: page bounds [NP, H], clamped token
+    bounds [NP, P, H], ref [H], Z_lb [H] (the reference step's definitions)."""
+    n, h_kv, _ = keys.shape
+    size = config.page_size
+    groups = q.shape[0] // h_kv
+    sink, indexed, recent = split_pages(n, config)
+    scores = torch.einsum("hd,lhd->hl", q.float(), keys.float().repeat_interleave(groups, 1))
+    known = torch.ones(n, dtype=torch.bool)
+    known[indexed.start * size: indexed.stop * size] = False
+    idx_pos = torch.arange(indexed.start * size, indexed.stop * size)
+    known[idx_pos[_sample_positions(len(idx_pos), config.sample_size)]] = True
+    ref = torch.where(known, scores, -math.inf).amax(1)
+    z_lb = torch.where(known, torch.exp(th.log_mass(scores, ref[:, None], sigma)), 0.0).sum(1)
+    page_ids = torch.arange(indexed.start, indexed.stop)
+    rows = q.float().view(1, h_kv, groups, -1).expand(len(page_ids), -1, -1, -1).contiguous()
+    bounds = store.page_bounds(rows, page_ids)
+    tok = store.token_bounds(bounds, page_ids)
+    pb = bounds.page_bound.reshape(len(page_ids), -1)
+    tb = torch.minimum(tok.reshape(len(page_ids), size, -1), pb[:, None, :])
+    return pb, tb, ref, z_lb
+
+
+def dropped_and_kept(pb, tb, ref, t, sigma):
+    """(D(T) [H] fp64, indexed candidates kept [H]) at per-head thresholds t [H]."""
+    size = tb.shape[1]
+    skip = pb < t
+    x_page = th.log_mass(pb, ref, sigma)
+    x_tok = th.log_mass(tb, ref, sigma)
+    drop_tok = ~skip[:, None, :] & (tb < t)
+    d = (size * torch.exp(x_page.clamp(max=700)) * skip).sum(0) + (torch.exp(x_tok.clamp(max=700)) * drop_tok).sum((0, 1))
+    kept = (~skip[:, None, :] & ~(tb < t)).sum((0, 1))
+    return d, kept
+
+
+def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size):
+    """The sample estimate's level [H] (docstring) from the token bounds tb [NP, P, H]."""
+    u = tb.reshape(-1, tb.shape[-1])
+    n = u.shape[0]
+    pick = _sample_positions(n, sample_size)
+    us = u[pick].double()  # [M, H]
+    order = us.sort(dim=0).values
+    mass = torch.exp(sigma * (order - ref.double())) * (n / len(pick))
+    below = torch.cumsum(mass, 0) - mass  # estimated mass strictly below each sorted bound
+    fits = below <= share * eps_budget * z_lb
+    level = torch.where(fits, order, -math.inf).amax(0)
+    return level.float()
+
+
+def safe_level(ref, z_lb, n_indexed, sigma, eps_budget, rounding):
+    return (ref.double() + torch.log(eps_budget * z_lb / ((1 + rounding) * n_indexed)) / sigma).float()
+
+
+def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
+    trace = load_trace(path)
+    out = []
+    for layer in sorted(trace["keys"]):
+        keys = trace["keys"][layer]
+        queries = trace["queries"][layer]
+        n = int(trace["query_positions"][0]) + 1
+        k = keys[:n]
+        sigma = 1 / math.sqrt(k.shape[-1])
+        store = PageIndexStore(config, n // config.page_size + 1, k.shape[1], k.shape[2], k.dtype)
+        full = n // config.page_size
+        store.build_pages(k[: full * config.page_size].view(full, config.page_size, *k.shape[1:]).reshape(-1, *k.shape[1:]),
+                          torch.arange(full))
+        eps_budget = eps * th.BUDGET_SAFETY
+        prev_t = None
+        for qi in range(queries.shape[0]):
+            pb, tb, ref, z_lb = head_inputs(k, queries[qi], store, config, sigma)
+            n_idx = pb.shape[0] * config.page_size
+            page_req = torch.zeros(pb.shape[0], dtype=torch.long)
+            t_c, _, _, _ = th.certified_choice(pb, tb, page_req, ref[None], z_lb[None], sigma, eps_budget,
+                                               th.HIST_ROUNDING)
+            t_c = t_c[0]
+            _, kept_c = dropped_and_kept(pb, tb, ref, t_c, sigma)
+            safe = safe_level(ref, z_lb, n_idx, sigma, eps_budget, th.HIST_ROUNDING)
+            rules = {"safe": safe}
+            for share in SAMPLE_SHARES:
+                est = sample_level(tb, ref, z_lb, sigma, eps_budget, share, config.sample_size)
+                rules[f"sample-{share:g}"] = torch.maximum(est, safe)
+            if prev_t is not None:
+                for d in MARGINS:
+                    rules[f"previous-{d:g}"] = torch.maximum(prev_t - d / sigma, safe)
+            for rule, t_p in rules.items():
+                d_p, kept_p = dropped_and_kept(pb, tb, ref, t_p, sigma)
+                ok = d_p * (1 + th.HIST_ROUNDING) <= eps_budget * z_lb
+                out.append(dict(trace=path.name, layer=layer, query=qi, rule=rule, eps=eps,
+                                passed=ok.tolist(), kept=kept_p.tolist(), kept_histogram=kept_c.tolist(),
+                                indexed=n_idx))
+            prev_t = t_c
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["eps"], r["rule"]), []).append(r)
+    table = []
+    for (trace, eps, rule), rs in groups.items():
+        passed = [p for r in rs for p in r["passed"]]
+        ratios = [kp / max(kc, 1) for r in rs for p, kp, kc in zip(r["passed"], r["kept"], r["kept_histogram"]) if p]
+        frac_c = sum(sum(r["kept_histogram"]) for r in rs) / sum(r["indexed"] * len(r["kept"]) for r in rs)
+        frac_p = sum(sum(kp if p else kc for p, kp, kc in zip(r["passed"], r["kept"], r["kept_histogram"]))
+                     for r in rs) / sum(r["indexed"] * len(r["kept"]) for r in rs)
+        table.append(dict(trace=trace, eps=eps, rule=rule, checks=len(passed), pass_rate=sum(passed) / len(passed),
+                          mean_kept_ratio_when_passed=sum(ratios) / max(len(ratios), 1),
+                          candidate_fraction_histogram=frac_c, candidate_fraction_one_pass=frac_p))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", nargs="+", required=True)
+    parser.add_argument("--eps", type=float, nargs="+", default=[1e-3, 1e-2])
+    parser.add_argument("--grid-bits", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/provisional_threshold.json")
+    args = parser.parse_args()
+    config = LouverConfig(page_size=args.page_size, grid_bits=args.grid_bits, policy="certified")
+    rows = [r for path in args.traces for eps in args.eps for r in measure(Path(path), eps, config)]
+    table = summarize(rows)
+    for row in table:
+        print(json.dumps(row))
+    Path(args.out).write_text(json.dumps({"command": "python -m benchmarks.provisional_threshold " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+        "summary": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): TPOT and TTFT against input length
+per configuration and workload, and the speedup of each louver policy over ``torch_native``.
+
+    python -m benchmarks.serving_plots --results benchmarks/results/serving_cpu.json --out docs/img/serving_cpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def series(rows: list[dict], workload: str, concurrency: int, key: str) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["workload"] == workload and r["concurrency"] == concurrency and r.get(key) is not None:
+            out.setdefault(r["config"], []).append((r["input_len"], r[key]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def speedups(rows: list[dict], workload: str, concurrency: int) -> dict[str, list[tuple[int, float]]]:
+    base = {n: t for n, t in series(rows, workload, concurrency, "mean_tpot_ms").get("torch_native", [])}
+    out = {}
+    for name, points in series(rows, workload, concurrency, "mean_tpot_ms").items():
+        if name != "torch_native":
+            out[name] = [(n, base[n] / t) for n, t in points if n in base]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="benchmarks/results/serving_cpu.json")
+    parser.add_argument("--out", default="docs/img/serving_cpu.png")
+    parser.add_argument("--concurrency", type=int, default=1)
+    args = parser.parse_args()
+    data = json.loads(Path(args.results).read_text())
+    rows = data["rows"]
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 3.8 * len(workloads)), squeeze=False)
+    for i, workload in enumerate(workloads):
+        panels = ((series(rows, workload, args.concurrency, "mean_tpot_ms"), "TPOT (ms)"),
+                  (series(rows, workload, args.concurrency, "mean_ttft_ms"), "TTFT (ms)"),
+                  (speedups(rows, workload, args.concurrency), "TPOT speedup vs torch_native"))
+        for ax, (lines, label) in zip(axes[i], panels):
+            for name, points in lines.items():
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("input tokens")
+            ax.set_ylabel(label)
+            ax.set_title(f"{workload}, concurrency {args.concurrency}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"sglang.bench_serving on {data.get('cpu', 'CPU')}, {data.get('model', '')} ({data.get('date', '')})")
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

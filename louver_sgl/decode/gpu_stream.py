@@ -1,0 +1,110 @@
+"""The ``triton_stream`` decode implementation: filter pass with compacted survivors, then
+split-K attention over them (``louver_kernels.triton.stream_decode``).
+
+Launches: the threshold pass of ``triton`` (``exact_part``; certified: ``certified_hist`` and
+``certified_threshold``) -> ``filter_survivors`` (page bounds, token bounds, GQA union; every
+(request, KV head, segment) compacts its survivors into its list) -> fallback flags (union over
+the dense-fallback fraction, or a segment list past its capacity) -> ``attend_survivors``
+(the request's survivors shared evenly by the splits) -> the dense fallback pass where a request
+can be flagged -> ``merge``. Same contract, statistics and workspace as ``triton``, plus the
+survivor lists, allocated with it; nothing reads the device on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .contract import VALUE_GATE, RequestLayout, gates_values
+from .gpu import GpuWorkspace, TritonDecode, fallback_flags, threshold_pass
+
+from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
+from louver_kernels.triton import stream_decode as stream  # noqa: E402
+
+
+@dataclass
+class SurvivorLists:
+    """Per (request, KV head, segment) survivor lists of capacity C, for up to ``max_batch``
+    requests and ``splits`` segments (``grid_decode.num_splits`` of the page-table width)."""
+
+    slot: torch.Tensor  # [Bmax, H_kv, S, C] int32: KV slot of each survivor
+    heads: torch.Tensor  # [Bmax, H_kv, S, C] int32: head mask (bit g: query head g; bit 30: indexed)
+    count: torch.Tensor  # [Bmax, H_kv, S] int32: survivors per segment (> C: overflowed)
+    peak: torch.Tensor  # [Bmax] int32: the request's largest segment count
+    overflow: torch.Tensor  # [Bmax] bool: some segment of the request overflowed
+    pos: torch.Tensor | None = None  # [Bmax, H_kv, S, C] int32: token positions (audits only)
+
+    @classmethod
+    def allocate(cls, max_batch: int, heads_kv: int, splits: int, capacity: int, device) -> "SurvivorLists":
+        shape = (max_batch, heads_kv, splits, capacity)
+        return cls(slot=torch.zeros(shape, dtype=torch.int32, device=device),
+                   heads=torch.zeros(shape, dtype=torch.int32, device=device),
+                   count=torch.zeros(shape[:3], dtype=torch.int32, device=device),
+                   peak=torch.zeros(max_batch, dtype=torch.int32, device=device),
+                   overflow=torch.zeros(max_batch, dtype=torch.bool, device=device))
+
+    def view(self, batch: int) -> "SurvivorLists":
+        return SurvivorLists(self.slot[:batch], self.heads[:batch], self.count[:batch], self.peak[:batch],
+                             self.overflow[:batch], None if self.pos is None else self.pos[:batch])
+
+    def with_positions(self) -> "SurvivorLists":
+        if self.pos is None:
+            self.pos = torch.zeros_like(self.slot)
+        return self
+
+    def as_kernel_args(self) -> dict:
+        return dict(slot=self.slot, heads=self.heads, count=self.count, pos=self.pos)
+
+
+class TritonStreamDecode(TritonDecode):
+    """``triton``'s contract with the filter and the attention in separate, evenly parallel
+    passes (module docstring). Graph-safe under the same conditions as ``triton``."""
+
+    name = "triton_stream"
+
+    def __init__(self, config, device, launch, shapes, capacity) -> None:
+        super().__init__(config, device, launch, shapes, capacity)
+        if shapes is not None and shapes.num_q_heads // shapes.num_kv_heads > stream.MAX_GROUP:
+            raise ValueError(f"the {self.name!r} kernels hold at most {stream.MAX_GROUP} query heads per KV head")
+        self.lists: SurvivorLists | None = None
+        if self.workspace is not None:
+            self.lists = self._allocate_lists(self.workspace)
+
+    def _allocate_lists(self, ws: GpuWorkspace) -> SurvivorLists:
+        capacity = stream.segment_capacity(self.launch, self.config.page_size)
+        return SurvivorLists.allocate(ws.max_batch, ws.m.shape[1], ws.m.shape[2], capacity, self.device)
+
+    def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
+        if q.shape[1] // k_cache.shape[1] > stream.MAX_GROUP:
+            raise ValueError(f"the {self.name!r} kernels hold at most {stream.MAX_GROUP} query heads per KV head")
+        full = self.workspace
+        if self.lists is None or self.lists.slot.shape[:3] != full.m.shape[:3]:
+            self.lists = self._allocate_lists(full)  # the workspace was (re)allocated by plan
+        lists = self.lists.with_positions().view(ws.max_batch) if keep is not None else self.lists.view(ws.max_batch)
+        _stream_step(q, k_cache, v_cache, ws, lists, store, sigma, self.config, self.launch, out, keep)
+
+
+def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, store, sigma: float, config,
+                 launch, out, keep) -> None:
+    """The launches of one streaming step (module docstring)."""
+    h_kv = k_cache.shape[1]
+    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    threshold_pass(q, k_cache, ws, store, sigma, config, launch)
+    stream.filter_survivors(q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref,
+                            lists.as_kernel_args(), ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens,
+                            config.grid_bits, launch, positions=keep is not None)
+    fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
+    capacity = lists.slot.shape[3]
+    torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
+    torch.gt(lists.peak, capacity, out=lists.overflow)
+    ws.fallback.logical_or_(lists.overflow)
+    stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
+                            ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, gates_values(config), VALUE_GATE.rel,
+                            kern._kv_dtype(k_cache), launch, attended=keep)
+    if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
+        kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m,
+                    ws.l, ws.o, ws.counts, ws.mass, sigma, layout=layout, min_sparse=config.min_sparse_tokens,
+                    bits=config.grid_bits, gate=gates_values(config), gate_rel=VALUE_GATE.rel, launch=launch,
+                    attended=keep, fallback=ws.fallback)
+    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)

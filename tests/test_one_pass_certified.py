@@ -1,0 +1,96 @@
+"""The one-pass certified rule (``certified_passes=1``): the provisional level always certifies,
+and the torch and compiled CPU steps follow the reference's rule.
+
+(The conformance suite runs the option through every implementation's contract: recall 1.0,
+measured dropped mass below the bound, bound below eps.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import compiled_attended, make_paged
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode import LouverDecode, available_implementations
+from louver_sgl.decode import threshold as th
+from louver_sgl.decode.reference import reference_decode
+
+LENS = [1500, 700, 129]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_provisional_level_always_fits(seed):
+    """Random page and token bounds, references and masses: the mass dropped at the safe level
+    (pages below it whole, other tokens below it) always passes the check."""
+    gen = torch.Generator().manual_seed(seed)
+    pages, size, heads = int(torch.randint(1, 60, (1,), generator=gen)), 16, 4
+    scale = float(torch.empty(1).uniform_(0.1, 30, generator=gen))
+    tok = torch.randn(pages, size, heads, generator=gen) * scale
+    pb = tok.amax(1) + torch.rand(pages, heads, generator=gen) * scale
+    ref = (pb.amax(0) * torch.empty(heads).uniform_(0.5, 1.5, generator=gen))[None]
+    z_lb = torch.empty(1, heads, dtype=torch.float64).uniform_(1.0, 50.0, generator=gen)
+    sigma, eps = 0.125, float(10 ** torch.empty(1).uniform_(-6, -1, generator=gen))
+    t = th.safe_level(ref, z_lb, torch.tensor([pages * size]), sigma, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)[0]
+    skip = pb < t
+    x_page, x_tok = th.log_mass(pb, ref, sigma), th.log_mass(torch.minimum(tok, pb[:, None]), ref, sigma)
+    dropped = (torch.where(skip, size * torch.exp(x_page), 0.0).sum(0)
+               + torch.where(~skip[:, None] & (tok < t), torch.exp(x_tok), 0.0).sum((0, 1)))
+    ok, cert = th.provisional_certified(dropped[None], z_lb, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
+    assert bool(ok.all()) and bool((cert < eps * z_lb).all())
+
+
+def test_the_check_fails_on_non_finite_terms():
+    ok, _ = th.provisional_certified(torch.tensor([[0.0, math.nan]], dtype=torch.float64),
+                                     torch.tensor([[1.0, 1.0]], dtype=torch.float64), 1e-3, 1e-8)
+    assert ok.tolist() == [[True, False]]
+    t = th.safe_level(torch.tensor([[math.nan, 1.0], [1.0, 1.0]]), torch.ones(2, 2, dtype=torch.float64),
+                      torch.tensor([64, 0]), 0.125, 1e-3, 1e-8)
+    assert bool(torch.isinf(t).all()) and bool((t < 0).all())
+
+
+def _case(dtype=torch.float32, seed=0):
+    config = LouverConfig(page_size=16, policy="certified", eps=1e-2, certified_passes=1, sample_size=32,
+                          dense_fallback_fraction=1.0)
+    k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=seed, dtype=dtype)
+    store = PageIndexStore(config, len(k) // 16, 2, 64, dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = (torch.randn(len(LENS), 6, 64, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(dtype)
+    return config, q, k, v, table, lens, store
+
+
+def test_torch_step_equals_the_reference():
+    """Same provisional T per head as the reference, the same attended set, the certificate below eps."""
+    config, q, k, v, table, lens, store = _case()
+    sigma = 1 / math.sqrt(64)
+    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    decode = LouverDecode(config, "cpu", impl="torch").plan(table, lens)
+    _, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
+    for b in range(len(LENS)):
+        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-6, atol=1e-6)
+        assert torch.equal(masks[b], info[b]["attended"])
+    assert bool((stats.mass_bound < config.eps).all())
+
+
+@pytest.mark.skipif("cpu" not in available_implementations("cpu"), reason="the compiled CPU kernels did not build")
+def test_compiled_step_takes_the_provisional_level():
+    """The compiled step's T is the reference's provisional level (its exact part's ref and Z_lb
+    match to rounding) and it certifies below eps in the one pass; its counters are those of the
+    attended set its int8 bounds give at that T; the two-pass step on the same batch certifies too."""
+    config, q, k, v, table, lens, store = _case(seed=4)
+    sigma = 1 / math.sqrt(64)
+    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    one = LouverDecode(config, "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
+    _, stats = one.run(q, k, v, store, sigma, stats=True)
+    for b in range(len(LENS)):
+        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-5, atol=1e-5)
+    assert bool((stats.mass_bound < config.eps).all())
+    masks = compiled_attended(q, k, table, lens, store, stats.threshold)
+    for b, mask in enumerate(masks):
+        counted = mask.sum(1) - (int(lens[b]) - int(stats.num_indexed[b]))
+        assert torch.equal(counted, stats.candidates[b]), "counts differ from the attended set"
+    two = LouverDecode(config.with_(certified_passes=2), "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
+    _, stats2 = two.run(q, k, v, store, sigma, stats=True)
+    assert bool((stats2.mass_bound < config.eps).all())
