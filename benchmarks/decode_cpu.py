@@ -39,6 +39,9 @@ POLICIES = {
     "certified-1e-4": {"policy": "certified", "eps": 1e-4},
     "budget-0.05": {"policy": "budget", "budget": 0.05},
     "budget-0.1": {"policy": "budget", "budget": 0.1},
+    # the one-pass certified rule (design notes, "Certified in one pass")
+    "certified-1e-2-one-pass": {"policy": "certified", "eps": 1e-2, "certified_passes": 1},
+    "certified-1e-3-one-pass": {"policy": "certified", "eps": 1e-3, "certified_passes": 1},
 }
 INDEXES = {
     "grid-8bit": {"family": "grid", "grid_bits": 8},
@@ -190,7 +193,8 @@ def bytes_read(stats, pb: PagedBatch, store: PageIndexStore, cfg: LouverConfig) 
     return float(total)
 
 
-def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_pages: bool = False) -> dict:
+def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_pages: bool = False,
+             policies: dict | None = None) -> dict:
     """One case: ``batches`` holds the same requests paged with each index's page size (the index
     pages are the KV pages); the dense side uses the first. ``huge_pages``: the dense side's K/V on
     huge pages too (set it when the batches' pools are)."""
@@ -202,7 +206,7 @@ def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_p
     result = {"dense_ms": dense, "best_dense": best, "best_dense_ms": dense[best],
               "dense_bytes": kv_bytes, "louver": []}
     for index_name, index_kw in indexes.items():
-        for pol_name, pol_kw in POLICIES.items():
+        for pol_name, pol_kw in (policies or POLICIES).items():
             cfg = LouverConfig(**index_kw, **pol_kw)
             pb = batches[cfg.page_size]
             store = PageIndexStore(cfg, len(pb.k) // cfg.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
@@ -277,6 +281,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--indexes", nargs="+", default=list(INDEXES), choices=list(INDEXES))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="keep K/V (both sides) on 4 KiB pages; the index store always asks for huge pages")
@@ -303,7 +308,7 @@ def main() -> None:
         huge = not args.no_huge_pages
         kv_dtype = getattr(torch, args.kv_dtype)
         case = run_case({size: paged_batch(trace, layer, batch, size, kv_dtype, huge_pages=huge) for size in sizes},
-                        args.repeats, indexes, huge)
+                        args.repeats, indexes, huge, {k: POLICIES[k] for k in args.policies})
         case.update(trace=trace_path, length=int(trace["meta"]["length"]), layer=layer, batch=batch)
         results["cases"].append(case)
         out = Path(args.out)

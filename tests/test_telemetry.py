@@ -78,3 +78,36 @@ def test_pending_steps_of_different_batches_sum_as_one_by_one():
         tel.record_step(stats)
     tel._sum_pending()
     assert tel.window == one_by_one
+
+
+def test_statistics_file_keeps_one_account_per_request(tmp_path, monkeypatch):
+    """Rows of batches with different request ids sum into each request's own account (the
+    same as summing that request's rows alone); prefill pages count per request; the oldest
+    accounts leave beyond REQUEST_LIMIT."""
+    monkeypatch.setattr(telemetry, "REQUEST_LIMIT", 3)
+    path = tmp_path / "stats.json"
+    tel = Telemetry(interval=0, stats_file=str(path), page_size=64)
+    tel.count_prefill("a", built=10, reused=0)
+    tel.count_prefill("b", built=2, reused=8)
+    steps = [_stats(seed) for seed in range(4)]
+    for stats in steps[:2]:
+        tel.record_step(stats, ["a", "b"])
+    tel.record_step(steps[2], ["b", "a"])
+    tel.record_step(steps[3], None)  # no ids: counted in the totals only
+    tel.end_decode_forward()
+    data = json.loads(path.read_text())
+    for rid, rows in (("a", [(0, 0), (1, 0), (2, 1)]), ("b", [(0, 1), (1, 1), (2, 0)])):
+        alone = Counts()
+        for seed, row in rows:
+            s = steps[seed]
+            alone.add(StepStats(**{f: getattr(s, f)[row:row + 1] for f in s.__dataclass_fields__}))
+        got = data["requests"][rid]
+        assert got["sparse_steps"] == alone.sparse_steps and got["dense_fallback_steps"] == alone.dense_fallback_steps
+        assert got["attended_keys"] == alone.attended_keys and got["mass_bound_max"] == alone.mass_bound_max
+    assert (data["requests"]["a"]["pages_built"], data["requests"]["b"]["pages_reused"]) == (10, 8)
+    assert data["pages_built"] == 12 and data["sparse_steps"] == sum(
+        1 for s in steps for r in range(2) if not bool(s.dense_fallback[r]))
+    for rid in ("c", "d"):
+        tel.count_prefill(rid, built=1, reused=0)
+    tel.dump()
+    assert list(json.loads(path.read_text())["requests"]) == ["b", "c", "d"]

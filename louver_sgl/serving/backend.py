@@ -201,7 +201,7 @@ class LouverAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.index.store(layer.layer_id),
                 layer.scaling, out=out.view(-1, h_q, dim), stats=True)
         step_end = time.perf_counter()
-        self.telemetry.record_step(stats)
+        self.telemetry.record_step(stats, forward_batch.rids)
         if self.serving.step_timing:
             self._time_step(start, step_start, step_end)
         if layer.layer_id == self._first_layer():
@@ -270,6 +270,7 @@ class LouverAttnBackend(AttentionBackend):
 
     def _count_extend(self, forward_batch: ForwardBatch) -> None:
         size = self.page_size
-        for start, end in zip(forward_batch.extend_prefix_lens.tolist(), forward_batch.seq_lens.tolist()):
-            self.telemetry.pages_reused += start // size
-            self.telemetry.pages_built += end // size - start // size
+        starts, ends = forward_batch.extend_prefix_lens.tolist(), forward_batch.seq_lens.tolist()
+        rids = forward_batch.rids if forward_batch.rids and len(forward_batch.rids) == len(starts) else [None] * len(starts)
+        for rid, start, end in zip(rids, starts, ends):
+            self.telemetry.count_prefill(rid, end // size - start // size, start // size)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 from ..data.fetch_model import ensure_model
@@ -46,9 +47,10 @@ def read_stats(path: Path) -> dict:
         return {}
 
 
-def stream_generate(url: str, text: str, max_new_tokens: int) -> tuple[str, float, float]:
-    """(generated text, seconds to the first token, seconds in all) of one streamed greedy request."""
-    body = {"text": text, "stream": True,
+def stream_generate(url: str, text: str, max_new_tokens: int, rid: str) -> tuple[str, float, float]:
+    """(generated text, seconds to the first token, seconds in all) of one streamed greedy request
+    with request id ``rid``."""
+    body = {"text": text, "stream": True, "rid": rid,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -75,13 +77,16 @@ def show_progress(stats_path: Path, before: dict, prompt_tokens: int, page_size:
               f"{time.time() - start:.0f} s", flush=True)
 
 
-def account(before: dict, after: dict) -> dict:
-    """The difference of two statistics snapshots: one request's account when it ran alone."""
-    keys = ("sparse_steps", "dense_short_steps", "dense_fallback_steps", "indexed_keys", "attended_keys",
-            "indexed_pages", "pages_skipped", "pages_built", "pages_reused")
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
-    delta["mass_bound_max"] = after.get("mass_bound_max")
-    return delta
+ACCOUNT_KEYS = ("sparse_steps", "dense_short_steps", "dense_fallback_steps", "indexed_keys", "attended_keys",
+                "indexed_pages", "pages_skipped", "pages_built", "pages_reused")
+
+
+def account(rid: str, after: dict) -> dict:
+    """Request ``rid``'s account from the statistics file (the server keeps one per request id)."""
+    mine = after.get("requests", {}).get(rid)
+    if mine is None:
+        raise RuntimeError(f"the statistics file has no account of request {rid!r}")
+    return {k: mine.get(k, 0) for k in (*ACCOUNT_KEYS, "mass_bound_max")}
 
 
 def print_account(a: dict, ttft: float, total: float, new_tokens: int) -> None:
@@ -91,7 +96,7 @@ def print_account(a: dict, ttft: float, total: float, new_tokens: int) -> None:
     if a["indexed_keys"]:
         print(f"  keys attended: {100 * a['attended_keys'] / a['indexed_keys']:.1f}% of the indexed keys; "
               f"pages skipped {100 * a['pages_skipped'] / max(a['indexed_pages'], 1):.1f}%")
-        print(f"  certified dropped-mass bound: <= {a['mass_bound_max']:.2e} (largest over the server's sparse steps)")
+        print(f"  certified dropped-mass bound: <= {a['mass_bound_max']:.2e} (largest over its sparse steps)")
     print(f"  index pages: {a['pages_built']:,} built, {a['pages_reused']:,} reused")
     decode = (total - ttft) / max(new_tokens - 1, 1)
     print(f"  time to first token {ttft:.1f} s; decode {decode:.2f} s/token")
@@ -102,12 +107,13 @@ def run_request(url: str, stats: Path, text: str, prompt_tokens: int, page_size:
     done = threading.Event()
     watcher = threading.Thread(target=show_progress, args=(stats, before, prompt_tokens, page_size, done), daemon=True)
     watcher.start()
+    rid = f"louver-demo-{uuid.uuid4().hex[:12]}"
     try:
-        answer, ttft, total = stream_generate(url, text, max_new)
+        answer, ttft, total = stream_generate(url, text, max_new, rid)
     finally:
         done.set()
     time.sleep(0.5)  # the scheduler writes the statistics after the forward
-    return answer, ttft, total, account(before, read_stats(stats))
+    return answer, ttft, total, account(rid, read_stats(stats))
 
 
 def main() -> None:

@@ -5,10 +5,12 @@ Every (request, layer) of a decode forward is one request-step, and it took one 
 ``min_sparse_tokens`` or than the sink and recent pages) or ``dense_fallback`` (over the
 dense-fallback fraction). Key and page fractions and the certified bound are over sparse
 request-steps only, so a window without one says so instead of reporting a fraction of 0.
-Counters accumulate for the process (the statistics file, ``LOUVER_STATS_FILE``, holds them:
-a client reads it before and after a request for that request's account) and per log window
-(every ``interval`` decode forwards). With ``--enable-metrics`` they are ``sglang:louver_*``
-Prometheus metrics of the scheduler process.
+Counters accumulate for the process and per log window (every ``interval`` decode forwards).
+The statistics file (``LOUVER_STATS_FILE``) holds the process totals and, under ``requests``,
+the account of each of the last ``REQUEST_LIMIT`` requests by SGLang request id (the ``rid`` a
+client may set in ``/generate``): its request-steps by path, attended and skipped fractions,
+certified bound, and the index pages its prefill built and reused. With ``--enable-metrics`` the
+totals are ``sglang:louver_*`` Prometheus metrics of the scheduler process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +32,7 @@ logger = logging.getLogger("louver_sgl.serving")
 PENDING_LIMIT = 512
 # the StepStats fields Counts.add reads
 SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback")
+REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
 
 
 @dataclass
@@ -80,6 +84,20 @@ class Counts:
 
 
 @dataclass
+class RequestAccount:
+    """One request's decode request-steps (``Counts``) and the index pages its prefill built and
+    reused (counted once, not per layer)."""
+
+    steps: Counts = field(default_factory=Counts)
+    pages_built: int = 0
+    pages_reused: int = 0
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self.steps), **self.steps.summary(), "pages_built": self.pages_built,
+                "pages_reused": self.pages_reused}
+
+
+@dataclass
 class Telemetry:
     """Process totals plus a window that is logged and reset every ``interval`` decode forwards."""
 
@@ -95,23 +113,58 @@ class Telemetry:
     totals: Counts = field(default_factory=Counts)
     window: Counts = field(default_factory=Counts)
     pending: list = field(default_factory=list)  # StepStats recorded but not yet summed
+    pending_rids: list = field(default_factory=list)  # the request id of each pending row
+    requests: OrderedDict = field(default_factory=OrderedDict)  # rid -> RequestAccount
     _metrics: dict | None = None
 
-    def record_step(self, stats) -> None:
-        """Add one layer's ``StepStats``. They are kept and summed when the window is read (or
+    def record_step(self, stats, rids: list[str] | None = None) -> None:
+        """Add one layer's ``StepStats`` (``rids``: the batch's request ids, for the per-request
+        accounts of the statistics file). They are kept and summed when the window is read (or
         PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
         attention has swept the caches each costs microseconds on the decode path."""
         self.pending.append(stats)
+        if self.stats_file and rids is not None and len(rids) == stats.candidates.shape[0]:
+            self.pending_rids.extend(rids)
+        else:
+            self.pending_rids.extend([None] * stats.candidates.shape[0])
         if len(self.pending) >= PENDING_LIMIT:
             self._sum_pending()
 
     def _sum_pending(self) -> None:
         """Sum the recorded steps as one: their fields concatenated over (layer, request) rows,
-        so a decode forward's 30 layers cost one ``Counts.add`` (~20 torch calls), not 30."""
+        so a decode forward's 30 layers cost one ``Counts.add`` (~20 torch calls), not 30; then
+        the same per request id (only with a statistics file)."""
         if not self.pending:
             return
-        self.window.add(SimpleNamespace(**{f: torch.cat([getattr(s, f) for s in self.pending]) for f in SUMMED}))
+        rows = SimpleNamespace(**{f: torch.cat([getattr(s, f) for s in self.pending]) for f in SUMMED})
+        self.window.add(rows)
+        by_rid: dict[str, list[int]] = {}
+        for i, rid in enumerate(self.pending_rids):
+            if rid is not None:
+                by_rid.setdefault(rid, []).append(i)
+        for rid, index in by_rid.items():
+            pick = torch.tensor(index)
+            self.account(rid).steps.add(SimpleNamespace(**{f: getattr(rows, f)[pick] for f in SUMMED}))
         self.pending.clear()
+        self.pending_rids.clear()
+
+    def account(self, rid: str) -> "RequestAccount":
+        """The account of request ``rid`` (created, and the oldest beyond REQUEST_LIMIT dropped)."""
+        if rid not in self.requests:
+            self.requests[rid] = RequestAccount()
+            while len(self.requests) > REQUEST_LIMIT:
+                self.requests.popitem(last=False)
+        self.requests.move_to_end(rid)
+        return self.requests[rid]
+
+    def count_prefill(self, rid: str | None, built: int, reused: int) -> None:
+        """Index pages one request's prefill built and reused (all its pages, one layer's count)."""
+        self.pages_built += built
+        self.pages_reused += reused
+        if self.stats_file and rid is not None:
+            acc = self.account(rid)
+            acc.pages_built += built
+            acc.pages_reused += reused
 
     def end_decode_forward(self) -> None:
         self.decode_forwards += 1
@@ -137,7 +190,8 @@ class Telemetry:
         snap = self.snapshot()
         data = {**snap["totals"], "page_size": self.page_size, "decode_forwards": self.decode_forwards,
                 "pages_built": self.pages_built,
-                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read, **self.timing}
+                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read, **self.timing,
+                "requests": {rid: acc.as_dict() for rid, acc in self.requests.items()}}
         tmp = Path(self.stats_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.stats_file)

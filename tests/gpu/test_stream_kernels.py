@@ -30,8 +30,9 @@ LAUNCH = TritonLaunch(pages_per_split=2, survivor_block=16)
 
 
 def _setup(policy, dtype, groups=3, seed=0, **cfg):
-    config = LouverConfig(page_size=P, policy=policy, eps=0.05, fixed_threshold=4.0, budget=0.1,
-                          sample_size=32, **{"dense_fallback_fraction": 1.0, **cfg})
+    options = dict(page_size=P, policy=policy, eps=0.05, fixed_threshold=4.0, budget=0.1, sample_size=32,
+                   dense_fallback_fraction=1.0)
+    config = LouverConfig(**{**options, **cfg})
     k, v, table, lens = make_paged(LENS, P, 2, 64, seed=seed, dtype=dtype)
     store = PageIndexStore(config, len(k) // P, 2, 64, dtype, device=DEVICE, code_layout="token")
     store.build_pages(k.to(DEVICE), torch.arange(store.num_pages, device=DEVICE))
@@ -56,8 +57,8 @@ def _dense(q, k, v, table, lens, b, sigma):
     return s, vv
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("policy", ["certified", "budget", "fixed", "dense"])
+@pytest.mark.parametrize("policy,dtype", [("certified", torch.float16), ("budget", torch.float32),
+                                          ("fixed", torch.float16), ("dense", torch.float32)])
 def test_stream_attends_the_fused_set_exactly(policy, dtype):
     """Same T, same attended set, same counters as the fused kernels (both gate with the same
     bounds); the output is fp64 attention over that set; recall 1.0 against fp64 scores."""
