@@ -48,7 +48,8 @@ def test_the_check_fails_on_non_finite_terms():
     assert ok.tolist() == [[True, False]]
     t = th.safe_level(torch.tensor([[math.nan, 1.0], [1.0, 1.0]]), torch.ones(2, 2, dtype=torch.float64),
                       torch.tensor([64, 0]), 0.125, 1e-3, 1e-8)
-    assert bool(torch.isinf(t).all()) and bool((t < 0).all())
+    assert t[0, 0] == -math.inf and bool((t[1] == -math.inf).all())  # NaN ref; nothing indexed
+    assert math.isfinite(float(t[0, 1]))
 
 
 def _case(dtype=torch.float32, seed=0):
@@ -69,7 +70,8 @@ def test_torch_step_equals_the_reference():
     decode = LouverDecode(config, "cpu", impl="torch").plan(table, lens)
     _, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
     for b in range(len(LENS)):
-        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-6, atol=1e-6)
+        # T moves with ref and Z_lb, whose fp32 scores the two compute in different orders
+        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-5, atol=1e-4)
         assert torch.equal(masks[b], info[b]["attended"])
     assert bool((stats.mass_bound < config.eps).all())
 
@@ -85,7 +87,10 @@ def test_compiled_step_takes_the_provisional_level():
     one = LouverDecode(config, "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
     _, stats = one.run(q, k, v, store, sigma, stats=True)
     for b in range(len(LENS)):
-        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-5, atol=1e-5)
+        # the compiled exact part's Z_lb is its fp32-exp lower bound (kMassDown), a little below the
+        # fp64 sum: T sits lower by ln(that factor)/σ, far inside this tolerance, while a wrong
+        # term of the level (n, eps, the rounding factor) would move it by ln(2)/σ or more
+        torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=0, atol=1e-3)
     assert bool((stats.mass_bound < config.eps).all())
     masks = compiled_attended(q, k, table, lens, store, stats.threshold)
     for b, mask in enumerate(masks):
