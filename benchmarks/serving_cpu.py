@@ -7,7 +7,7 @@ generated-shared-prefix workload (one shared system prompt, several questions); 
 time to first token with and without shared prefixes, louver's index pages built vs reused, and
 the index memory line of the server log, in one JSON file.
 
-    python -m benchmarks.serving_cpu --out benchmarks/results/serving_cpu.json
+    python -m benchmarks.serving_cpu --out benchmarks/results/serving_cpu_fp16_2k_8k.json
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_backend(model: Path, backend: str, tmp: Path, port: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/serving_cpu_fp16_2k_8k.json")
     parser.add_argument("--one-batch-only", action="store_true", help="rerun one_batch into an existing --out")
     args = parser.parse_args()
     model = ensure_model()

@@ -10,7 +10,7 @@ and reused during that row (from the statistics file). Rows are appended to ``--
 finish and a rerun skips the rows already there, so a long grid can be run in pieces.
 
     python -m benchmarks.serving_grid_cpu --input-lens 8192 16384 32768 --concurrency 1 4 \\
-        --out benchmarks/results/serving_cpu_grid.json
+        --out benchmarks/results/serving_cpu.json
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--workloads", nargs="+", default=["random", "shared-prefix"])
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results/serving_cpu_grid.json")
+    parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     args = parser.parse_args()
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}

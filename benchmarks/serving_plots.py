@@ -1,5 +1,6 @@
-"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): TPOT and TTFT against input length
-per configuration and workload, and the speedup of each louver policy over ``torch_native``.
+"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): decode time per token (mean ITL)
+and TTFT against input length per configuration and workload, and the decode speedup of each
+louver policy over ``torch_native``.
 
     python -m benchmarks.serving_plots --results benchmarks/results/serving_cpu.json --out docs/img/serving_cpu.png
 """
@@ -25,9 +26,9 @@ def series(rows: list[dict], workload: str, concurrency: int, key: str) -> dict[
 
 
 def speedups(rows: list[dict], workload: str, concurrency: int) -> dict[str, list[tuple[int, float]]]:
-    base = {n: t for n, t in series(rows, workload, concurrency, "mean_tpot_ms").get("torch_native", [])}
+    base = {n: t for n, t in series(rows, workload, concurrency, "mean_itl_ms").get("torch_native", [])}
     out = {}
-    for name, points in series(rows, workload, concurrency, "mean_tpot_ms").items():
+    for name, points in series(rows, workload, concurrency, "mean_itl_ms").items():
         if name != "torch_native":
             out[name] = [(n, base[n] / t) for n, t in points if n in base]
     return out
@@ -44,9 +45,9 @@ def main() -> None:
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 3.8 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):
-        panels = ((series(rows, workload, args.concurrency, "mean_tpot_ms"), "TPOT (ms)"),
+        panels = ((series(rows, workload, args.concurrency, "mean_itl_ms"), "decode ms per token (mean ITL)"),
                   (series(rows, workload, args.concurrency, "mean_ttft_ms"), "TTFT (ms)"),
-                  (speedups(rows, workload, args.concurrency), "TPOT speedup vs torch_native"))
+                  (speedups(rows, workload, args.concurrency), "decode speedup vs torch_native"))
         for ax, (lines, label) in zip(axes[i], panels):
             for name, points in lines.items():
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
