@@ -11,6 +11,7 @@ Provisional levels compared, per query head:
 * ``sample-c``: from the token bounds u_j of the step's evenly spaced sample (M of the n indexed
   keys), the highest u_j at which the sample's estimate of the dropped mass,
   (n/M)·Σ_{u_i < u_j} exp(σ(u_i − ref)), stays within c·eps·Z_lb; floored at ``safe``;
+* ``sample-scores-c``: the same from the sample's exact scores (which the exact part has already);
 * ``previous - d``: the previous decode step's certified T minus d/σ (the trace's queries are
   consecutive positions), floored at ``safe``.
 
@@ -37,7 +38,7 @@ from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 
 MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
-SAMPLE_SHARES = (0.1, 0.25, 0.5)
+SAMPLE_SHARES = (0.05, 0.1, 0.25, 0.5)
 
 
 def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, config: LouverConfig, sigma: float):
@@ -60,7 +61,8 @@ def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, conf
     tok = store.token_bounds(bounds, page_ids)
     pb = bounds.page_bound.reshape(len(page_ids), -1)
     tb = torch.minimum(tok.reshape(len(page_ids), size, -1), pb[:, None, :])
-    return pb, tb, ref, z_lb
+    sample_scores = scores[:, idx_pos[_sample_positions(len(idx_pos), config.sample_size)]].t()  # [M, H]
+    return pb, tb, ref, z_lb, sample_scores
 
 
 def dropped_and_kept(pb, tb, ref, t, sigma):
@@ -75,12 +77,13 @@ def dropped_and_kept(pb, tb, ref, t, sigma):
     return d, kept
 
 
-def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size):
-    """The sample estimate's level [H] (docstring) from the token bounds tb [NP, P, H]."""
+def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size, values=None):
+    """The sample estimate's level [H] (docstring) from the token bounds tb [NP, P, H] (or from
+    ``values`` [M, H], the sample's exact scores)."""
     u = tb.reshape(-1, tb.shape[-1])
     n = u.shape[0]
     pick = _sample_positions(n, sample_size)
-    us = u[pick].double()  # [M, H]
+    us = (u[pick] if values is None else values).double()  # [M, H]
     order = us.sort(dim=0).values
     mass = torch.exp(sigma * (order - ref.double())) * (n / len(pick))
     below = torch.cumsum(mass, 0) - mass  # estimated mass strictly below each sorted bound
@@ -109,7 +112,7 @@ def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
         eps_budget = eps * th.BUDGET_SAFETY
         prev_t = None
         for qi in range(queries.shape[0]):
-            pb, tb, ref, z_lb = head_inputs(k, queries[qi], store, config, sigma)
+            pb, tb, ref, z_lb, sample_scores = head_inputs(k, queries[qi], store, config, sigma)
             n_idx = pb.shape[0] * config.page_size
             page_req = torch.zeros(pb.shape[0], dtype=torch.long)
             t_c, _, _, _ = th.certified_choice(pb, tb, page_req, ref[None], z_lb[None], sigma, eps_budget,
@@ -121,6 +124,8 @@ def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
             for share in SAMPLE_SHARES:
                 est = sample_level(tb, ref, z_lb, sigma, eps_budget, share, config.sample_size)
                 rules[f"sample-{share:g}"] = torch.maximum(est, safe)
+                est = sample_level(tb, ref, z_lb, sigma, eps_budget, share, config.sample_size, sample_scores)
+                rules[f"sample-scores-{share:g}"] = torch.maximum(est, safe)
             if prev_t is not None:
                 for d in MARGINS:
                     rules[f"previous-{d:g}"] = torch.maximum(prev_t - d / sigma, safe)

@@ -117,5 +117,9 @@ def test_radix_hit_reuses_index_and_matches_cold_run(runs):
     new_pages = (prompt_len + NEW_TOKENS - 1) // PAGE - cached // PAGE
     assert after["pages_built"] - before["pages_built"] == new_pages
     assert after["pages_reused"] - before["pages_reused"] == cached // PAGE
+    # the request's own account, by its request id: its prefill's pages, and its decode steps
+    mine = after["requests"][warm["meta_info"]["id"]]
+    assert (mine["pages_reused"], mine["pages_built"]) == (cached // PAGE, prompt_len // PAGE - cached // PAGE)
+    assert mine["sparse_steps"] + mine["dense_short_steps"] + mine["dense_fallback_steps"] > 0
     assert _ids([warm]) == _ids(runs["cold"]["shared"])
     assert runs["cold"]["shared"][0]["meta_info"]["cached_tokens"] == 0
