@@ -22,7 +22,7 @@ from louver_sgl.data.texts import load_text
 from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
                                   found, found_all)
-from louver_sgl.eval.server import free_port, generate, sglang_server
+from louver_sgl.eval.server import YARN_32K_ARGS, free_port, generate, sglang_server
 
 DENSE = "torch_native"
 CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05", "certified-1e-4", "budget-0.2"]
@@ -30,6 +30,10 @@ CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05
 FULL = {"lengths": [1024, 2048, 4096, 7680], "depths": [0.0, 0.5, 1.0], "multi_lengths": [2048, 4096],
         "configs": CONFIGS}
 SMALL = {"lengths": [512], "depths": [0.5], "multi_lengths": [512], "configs": ["certified-1e-2"]}
+# Past SmolLM2's 8K context, through the main command's YaRN override (one 16K torch_native
+# prefill is over 5 minutes here, so one depth)
+LONG = {"lengths": [16384], "depths": [0.5], "multi_lengths": [], "configs": [DENSE, "certified-1e-3", "budget-0.1"],
+        "yarn": True}
 MAX_NEW = {"single": 32, "multikey": 24, "multivalue": 40}  # the model restates the question first
 
 
@@ -69,8 +73,10 @@ def ask(url: str, kind: str, prompt: NeedlePrompt) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: str) -> dict[str, dict]:
-    """Cells of one configuration; starts a server (model and KV in ``dtype``) only if some are missing."""
+def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: str,
+               yarn: bool = False) -> dict[str, dict]:
+    """Cells of one configuration; starts a server (model and KV in ``dtype``; ``yarn``: its
+    context stretched to 32K) only if some are missing."""
     paths = {pid: cache_dir / config / f"{pid}.json" for pid in prompts}
     if all(p.exists() for p in paths.values()):
         return {pid: cached_cell(p, dict) for pid, p in paths.items()}
@@ -78,7 +84,8 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: 
 
     backend, env = server_setup(config)
     (cache_dir / config).mkdir(parents=True, exist_ok=True)
-    with sglang_server(model, backend, free_port(), env, extra=["--dtype", dtype],
+    extra = ["--dtype", dtype, *(YARN_32K_ARGS if yarn else [])]
+    with sglang_server(model, backend, free_port(), env, extra=extra, timeout=900,
                        log_path=cache_dir / config / "server.log") as url:
         return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))
                 for pid, (kind, prompt) in tqdm(prompts.items(), desc=config)}
@@ -118,11 +125,13 @@ def main() -> None:
     # torch (prefill ran at ~20 tokens/s here); fp32 is the checkpoint's own precision.
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model and KV dtype of every server (cells are cached per dtype)")
+    parser.add_argument("--long", action="store_true",
+                        help="16K prompts through the YaRN-extended context (dense, certified 1e-3, budget 0.1)")
     args = parser.parse_args()
     args.cache = args.cache / args.dtype
     from transformers import AutoTokenizer
 
-    grid = SMALL if args.small else FULL
+    grid = SMALL if args.small else LONG if args.long else FULL
     unknown = sorted(set(args.configs or []) - set(grid["configs"]))
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {grid['configs']}")
@@ -131,11 +140,12 @@ def main() -> None:
     cells = {}
     for config in grid["configs"]:
         if args.configs is None or config in args.configs:
-            cells[config] = run_config(config, prompts, model, args.cache, args.dtype)
+            cells[config] = run_config(config, prompts, model, args.cache, args.dtype, grid.get("yarn", False))
         elif cached := cached_cells(config, prompts, args.cache):
             cells[config] = cached
     done = {c for c in grid["configs"] if all((args.cache / c / f"{p}.json").exists() for p in prompts)}
-    result = {"command": command_line(f"eval_niah --dtype {args.dtype}", args.small),
+    module = f"eval_niah --dtype {args.dtype}" + (" --long" if args.long else "")
+    result = {"command": command_line(module, args.small),
               "machine": machine_info(), "dtype": args.dtype, "grid": grid, "complete_configs": sorted(done),
               "missing_configs": [c for c in grid["configs"] if c not in done],
               "summary": compare(cells), "cells": cells}

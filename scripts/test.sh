@@ -8,6 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
+# The Triton of the lent GPU machines (3.6.0), beside the environment's own, for the test that
+# compiles every GPU kernel for sm_90 (tests/gpu/test_sm90_compile.py)
+GPU_TRITON=.venv/triton-3.6.0
+if [ ! -d "$GPU_TRITON/triton" ]; then
+  "$PY" -m pip install -q --no-deps --target "$GPU_TRITON" triton==3.6.0
+fi
 for text in bible paul_graham; do
   "$PY" -m louver_sgl.data.capture --text "$text" --lengths 2048
 done

@@ -1,0 +1,39 @@
+"""Every GPU kernel compiles for an H200 (sm_90) with the Triton of the lent GPU machines.
+
+``scripts/test.sh`` installs that Triton (3.6.0) beside the environment's own; the compile runs
+in a subprocess with it first on the path (``benchmarks/compile_sm90.py``: a driver stand-in,
+Triton's real front end, NVIDIA passes and ptxas). A compile error here is one the first GPU run
+would hit. bf16 KV (the GPU serving dtype) over both implementations and every policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_TRITON = ROOT / ".venv" / "triton-3.6.0"
+
+
+@pytest.mark.skipif(not (GPU_TRITON / "triton").is_dir(),
+                    reason="Triton 3.6.0 is not installed beside the environment (scripts/test.sh installs it)")
+def test_every_kernel_compiles_for_sm90_with_the_gpu_machines_triton(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(GPU_TRITON), str(ROOT), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_sm90", "--dtypes", "bfloat16", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["triton"] == "3.6.0" and result["arch"] == 90 and not result["failures"]
+    names = {row["kernel"] for row in result["compiled"]}
+    for kernel in ("_exact_part_kernel", "_certified_hist_kernel", "_certified_threshold_kernel", "_attend_kernel",
+                   "_merge_kernel", "_filter_kernel", "_attend_survivors_kernel", "_grid_build_kernel"):
+        assert kernel in names, kernel
+    assert all(row["cubin_bytes"] > 0 and row["target"] == "cuda:90" for row in result["compiled"])
