@@ -99,3 +99,28 @@ def test_compiled_step_takes_the_provisional_level():
     two = LouverDecode(config.with_(certified_passes=2), "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
     _, stats2 = two.run(q, k, v, store, sigma, stats=True)
     assert bool((stats2.mass_bound < config.eps).all())
+
+
+@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in available_implementations("cpu")])
+def test_a_failed_check_takes_the_histogram_rule_for_that_request_only(impl):
+    """A NaN in a dense key of request 0 makes Z_lb NaN for its KV group's heads, so their check
+    fails: request 0 takes the histogram rule (its T and certificate equal the two-pass step's),
+    and every other request keeps its one-pass T and output."""
+    config, q, k, v, table, lens, store = _case(seed=7)
+    sigma = 1 / math.sqrt(64)
+    launch = {"chunk_pages": 3} if impl == "cpu" else None
+
+    def step(cfg, keys):
+        decode = LouverDecode(cfg, "cpu", impl=impl, launch=launch).plan(table, lens)
+        return decode.run(q, keys, v, store, sigma, stats=True)
+
+    clean_out, clean = step(config, k)
+    bad = k.clone()
+    tail = int(lens[0]) - 1  # the last token of request 0: in its dense tail
+    bad[int(table[0, tail // 16]) * 16 + tail % 16, 1, 5] = float("nan")
+    out, stats = step(config, bad)
+    _, two = step(config.with_(certified_passes=2), bad)
+    torch.testing.assert_close(stats.threshold[0], two.threshold[0], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(stats.mass_bound[0], two.mass_bound[0], atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(stats.threshold[1:], clean.threshold[1:]) and torch.equal(out[1:], clean_out[1:])
+    assert not torch.equal(stats.threshold[0], clean.threshold[0])
