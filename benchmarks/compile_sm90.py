@@ -9,7 +9,8 @@ of the GPU machine first on the path (3.6.0 on the lent H200s):
     pip install --target /tmp/triton36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/triton36 python -m benchmarks.compile_sm90 --out /tmp/sm90.json
 
-Covered: the page build (2/4/8-bit codes), and for ``triton`` and ``triton_stream`` every policy,
+Covered: the page build (2/4/8-bit codes), and for ``triton`` and ``triton_stream`` every policy
+(``triton_stream`` also the one-pass certified rule),
 fp16/bf16/fp32 KV, head dims 64 and 128, GQA groups 3 and 4, 4- and 8-bit codes, the value gate
 and the dense fallback pass. Prints one line per distinct compiled kernel (shared memory, warps,
 stages, cubin bytes) and exits non-zero if any compile failed.
@@ -100,8 +101,10 @@ def compile_step(impl: str, policy: str, dtype, dim: int, groups: int, bits: int
     from louver_sgl.index.store import PageIndexStore
 
     page = 64
-    config = LouverConfig(page_size=page, policy=policy, grid_bits=bits, eps=1e-3, budget=0.05, fixed_threshold=1.0,
-                          sample_size=64, dense_fallback_fraction=0.5 if fallback else 1.0)
+    passes = 1 if policy == "certified-one-pass" else 2
+    config = LouverConfig(page_size=page, policy=policy.removesuffix("-one-pass"), grid_bits=bits, eps=1e-3,
+                          budget=0.05, fixed_threshold=1.0, sample_size=64, certified_passes=passes,
+                          dense_fallback_fraction=0.5 if fallback else 1.0)
     q, k, v, table, lens = _case(dtype, dim, groups, page)
     store = PageIndexStore(config, k.shape[0] // page, k.shape[1], dim, dtype, code_layout="token")
     t = store.tensors
@@ -122,11 +125,13 @@ def main() -> int:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     failures = []
-    cases = list(itertools.product(["triton", "triton_stream"], ["certified", "budget", "fixed", "dense"],
+    policies = ["certified", "certified-one-pass", "budget", "fixed", "dense"]
+    cases = list(itertools.product(["triton", "triton_stream"], policies,
                                    [getattr(torch, d) for d in args.dtypes], [64, 128], [3, 4], [4, 8],
                                    [False, True]))
     # every option once per implementation and dtype, not the whole product (compiles take seconds each)
-    chosen = [c for c in cases if (c[3] == 64) == (c[4] == 3) and (c[5] == 8) == (c[6] is False)]
+    chosen = [c for c in cases if (c[3] == 64) == (c[4] == 3) and (c[5] == 8) == (c[6] is False)
+              and not (c[0] == "triton" and c[1] == "certified-one-pass")]  # triton refuses the option
     for impl, policy, dtype, dim, groups, bits, fallback in chosen:
         try:
             compile_step(impl, policy, dtype, dim, groups, bits, fallback)

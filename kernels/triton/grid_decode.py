@@ -166,17 +166,19 @@ def _edge_bin(x, EDGE_LOW: tl.constexpr, EDGE_STEP: tl.constexpr, EDGE_COUNT: tl
 
 @triton.jit
 def _certified_hist_kernel(
-    q_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr, ref_ptr, hist_ptr, habs_ptr,
+    q_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr, ref_ptr, hist_ptr, habs_ptr, flag_ptr,
     stride_qb, stride_qh, stride_tb, stride_ms, stride_mh, stride_cs, stride_ch, sigma, min_sparse,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BITS: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, SPLIT, EDGE_LOW: tl.constexpr, EDGE_STEP: tl.constexpr,
-    EDGE_COUNT: tl.constexpr, HIST_WIDTH: tl.constexpr,
+    EDGE_COUNT: tl.constexpr, HIST_WIDTH: tl.constexpr, FLAGGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
     pages, first, end = request_layout(seq_len, P, SINK, RECENT, min_sparse)
+    if FLAGGED:  # only the flagged requests' pages (the one-pass rule's rare path)
+        end = tl.where(tl.load(flag_ptr + b) != 0, end, first)
     g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0).to(tl.float64)
     base = head_row * HIST_WIDTH
@@ -423,7 +425,7 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
 
 
 def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma: float, layout: dict,
-                   min_sparse: int, bits: int, edges, launch: TritonLaunch = TritonLaunch()) -> None:
+                   min_sparse: int, bits: int, edges, launch: TritonLaunch = TritonLaunch(), flagged=None) -> None:
     """Accumulate the certified histograms (zeroed by ``exact_part``).
 
     Args:
@@ -432,6 +434,7 @@ def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma:
         ref: ``[B, H_q]`` fp32 from ``exact_part``.
         hist, habs: ``[B, H_q, edges.count + 2]`` fp64: signed mass per edge bin and its absolute terms.
         edges: the threshold edges (``contract.ThresholdEdges``).
+        flagged: optional ``[B]`` bool: only these requests' pages are counted.
     Other arguments as in ``exact_part``.
     """
     batch, heads, dim = q.shape
@@ -441,10 +444,11 @@ def certified_hist(q, page_table, seq_lens, index: dict, ref, hist, habs, sigma:
     grid = (batch, h_kv, num_splits(page_table.shape[1], launch))
     _certified_hist_kernel[grid](
         q, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"], ref, hist, habs,
-        q.stride(0), q.stride(1), page_table.stride(0), lo.stride(0), lo.stride(1),
+        flagged if flagged is not None else seq_lens, q.stride(0), q.stride(1), page_table.stride(0), lo.stride(0),
+        lo.stride(1),
         index["codes"].stride(0), index["codes"].stride(1), float(sigma), int(min_sparse), **layout,
         D=dim, G=groups, BG=block_g(groups, launch), BITS=bits, SPLIT=launch.pages_per_split, **edge_args(edges),
-        num_warps=launch.hist_warps,
+        FLAGGED=flagged is not None, num_warps=launch.hist_warps,
     )
 
 

@@ -40,17 +40,25 @@ MAX_GROUP = INDEXED_BIT.value  # query heads per KV head the mask can hold
 @triton.jit
 def _filter_kernel(
     q_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr, t_ptr, ref_ptr,
-    slot_ptr, hmask_ptr, pos_ptr, seg_ptr, count_ptr, mass_ptr,
+    slot_ptr, hmask_ptr, pos_ptr, seg_ptr, count_ptr, mass_ptr, drop64_ptr, flag_ptr,
     stride_qb, stride_qh, stride_tb, stride_ms, stride_mh, stride_cs, stride_ch, sigma, SPLIT, min_sparse,
     CAP, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BITS: tl.constexpr,
-    SINK: tl.constexpr, RECENT: tl.constexpr, POS_OUT: tl.constexpr,
+    SINK: tl.constexpr, RECENT: tl.constexpr, POS_OUT: tl.constexpr, DROP64: tl.constexpr,
+    FLAGGED: tl.constexpr,
 ):
+    # DROP64: also the dropped-mass bound in fp64 (the one-pass certificate). FLAGGED: only the
+    # requests flagged in flag_ptr run and write; the others' lists and counters stay as they are.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n_heads_kv = tl.num_programs(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
     pages, first, end = request_layout(seq_len, P, SINK, RECENT, min_sparse)
+    if FLAGGED:
+        runs = tl.load(flag_ptr + b) != 0
+    else:
+        runs = pages >= 0
+    pages = tl.where(runs, pages, 0)
     g, gmask, head_row, q = group_queries(q_ptr, b, h, stride_qb, stride_qh, G, BG, D)
     t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
     ref = tl.load(ref_ptr + head_row, mask=gmask, other=0.0)
@@ -62,6 +70,8 @@ def _filter_kernel(
     n_union = 0
     n_read = 0
     dropped = tl.zeros((BG,), tl.float32)
+    dropped64 = tl.zeros((BG,), tl.float64)
+    ref64 = ref.to(tl.float64)
     p0 = s * SPLIT
     for p in range(p0, tl.minimum(p0 + SPLIT, pages)):
         page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
@@ -75,6 +85,8 @@ def _filter_kernel(
             skip = gmask & (keep_page == 0)
             n_skip += skip.to(tl.int32)
             dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+            if DROP64:
+                dropped64 += tl.where(skip, P * tl.exp(sigma * (pb.to(tl.float64) - ref64)), 0.0)
             keep = keep & keep_page[None, :]
             if tl.max(keep_page.to(tl.int32), 0) > 0:  # codes only of pages some head keeps
                 n_read += 1
@@ -83,7 +95,10 @@ def _filter_kernel(
                 u = token_bounds(codes, wq, step, err, offset)
                 keep_tok = keep & ((u >= t[None, :]) | (u != u))
                 lost = keep & (keep_tok == 0)
-                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+                u_lost = tl.minimum(u, pb[None, :])
+                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (u_lost - ref[None, :])), 0.0), 0)
+                if DROP64:
+                    dropped64 += tl.sum(tl.where(lost, tl.exp(sigma * (u_lost.to(tl.float64) - ref64[None, :])), 0.0), 0)
                 keep = keep_tok
         row = tl.max(keep.to(tl.int32), 1) > 0
         found = tl.sum(row.to(tl.int32), 0)
@@ -97,12 +112,14 @@ def _filter_kernel(
                 tl.store(pos_ptr + list_base + dest, (p * P + tok).to(tl.int32), mask=fits)
             n_seg += found
             n_union += found * is_idx
-    tl.store(seg_ptr + split_row, n_seg)
+    tl.store(seg_ptr + split_row, n_seg, mask=runs)
     counts = count_ptr + split_row * 5 * BG + g
-    tl.store(counts + BG, n_skip)
-    tl.store(counts + 2 * BG, tl.where(g == 0, n_union, 0))
-    tl.store(counts + 4 * BG, tl.where(g == 0, n_read, 0))
-    tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
+    tl.store(counts + BG, n_skip, mask=runs)
+    tl.store(counts + 2 * BG, tl.where(g == 0, n_union, 0), mask=runs)
+    tl.store(counts + 4 * BG, tl.where(g == 0, n_read, 0), mask=runs)
+    tl.store(mass_ptr + split_row * 2 * BG + g, dropped, mask=runs)
+    if DROP64:
+        tl.store(drop64_ptr + split_row * BG + g, dropped64, mask=runs)
 
 
 @triton.jit
@@ -206,7 +223,7 @@ def segment_capacity(launch: TritonLaunch, page_size: int) -> int:
 
 def filter_survivors(q, page_table, seq_lens, index: dict, threshold, ref, lists: dict, counts, mass,
                      sigma: float, layout: dict, min_sparse: int, bits: int, launch: TritonLaunch,
-                     positions: bool = False) -> None:
+                     positions: bool = False, dropped64=None, flagged=None) -> None:
     """Filter pass: survivors of every (request, KV head, segment) compacted into its list.
 
     Args:
@@ -219,6 +236,9 @@ def filter_survivors(q, page_table, seq_lens, index: dict, threshold, ref, lists
         counts: ``[B, H_kv, S, 5, BG]`` int32: columns 1 (skipped pages per head), 2 (union
             candidates) and 4 (pages whose codes were read) written here, 0 and 3 by
             ``attend_survivors``. mass: ``[B, H_kv, S, 2, BG]`` fp32: column 0 (index-dropped mass).
+        dropped64: optional ``[B, H_kv, S, BG]`` fp64 out: the same dropped mass in fp64 (positive
+            terms: the one-pass certificate, ``threshold.provisional_certified``).
+        flagged: optional ``[B]`` bool: only these requests are filtered (and written).
     """
     batch, heads, dim = q.shape
     lo = index["lo"]
@@ -229,10 +249,11 @@ def filter_survivors(q, page_table, seq_lens, index: dict, threshold, ref, lists
     _filter_kernel[grid](
         q, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"], threshold, ref,
         slot, lists["heads"], lists["pos"] if positions else slot, lists["count"], counts, mass,
+        dropped64 if dropped64 is not None else mass, flagged if flagged is not None else seq_lens,
         q.stride(0), q.stride(1), page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0),
         index["codes"].stride(1), float(sigma), launch.pages_per_split, int(min_sparse), slot.shape[3], **layout,
-        D=dim, G=groups, BG=counts.shape[-1], BITS=bits, POS_OUT=positions, num_warps=launch.filter_warps,
-        num_stages=launch.filter_stages,
+        D=dim, G=groups, BG=counts.shape[-1], BITS=bits, POS_OUT=positions, DROP64=dropped64 is not None,
+        FLAGGED=flagged is not None, num_warps=launch.filter_warps, num_stages=launch.filter_stages,
     )
 
 

@@ -124,6 +124,7 @@ class TritonDecode(DecodeImplementation):
     name = "triton"
     returns_attended = True
     int8_token_bounds = True
+    one_pass_certified = False  # whether it runs the one-pass certified rule (certified_passes=1)
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)
@@ -143,7 +144,7 @@ class TritonDecode(DecodeImplementation):
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
         if config.family != "grid":
             cls.reject("family", config.family, "the Triton kernels read grid codes")
-        if config.policy == "certified" and config.certified_passes == 1:
+        if config.policy == "certified" and config.certified_passes == 1 and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:

@@ -7,7 +7,8 @@ Launches: the threshold pass of ``triton`` (``exact_part``; certified: ``certifi
 the dense-fallback fraction, or a segment list past its capacity) -> ``attend_survivors``
 (the request's survivors shared evenly by the splits) -> the dense fallback pass where a request
 can be flagged -> ``merge``. Same contract, statistics and workspace as ``triton``, plus the
-survivor lists, allocated with it; nothing reads the device on the host.
+survivor lists, allocated with it; nothing reads the device on the host. With
+``certified_passes=1`` the threshold launches are the one-pass rule's (``_one_pass_thresholds``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import VALUE_GATE, RequestLayout, gates_values
+from . import threshold as th
+from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout, gates_values
 from .gpu import GpuWorkspace, TritonDecode, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
@@ -33,20 +35,27 @@ class SurvivorLists:
     count: torch.Tensor  # [Bmax, H_kv, S] int32: survivors per segment (> C: overflowed)
     peak: torch.Tensor  # [Bmax] int32: the request's largest segment count
     overflow: torch.Tensor  # [Bmax] bool: some segment of the request overflowed
+    dropped64: torch.Tensor  # [Bmax, H_kv, S, BG] fp64: dropped-mass bound per segment (one-pass rule)
+    provisional: torch.Tensor  # [Bmax, H_q] fp32: the one-pass rule's T_p
+    failed: torch.Tensor  # [Bmax] bool: requests whose one-pass check failed
     pos: torch.Tensor | None = None  # [Bmax, H_kv, S, C] int32: token positions (audits only)
 
     @classmethod
-    def allocate(cls, max_batch: int, heads_kv: int, splits: int, capacity: int, device) -> "SurvivorLists":
+    def allocate(cls, max_batch: int, heads_kv: int, splits: int, capacity: int, block_g: int, heads_q: int,
+                 device) -> "SurvivorLists":
         shape = (max_batch, heads_kv, splits, capacity)
         return cls(slot=torch.zeros(shape, dtype=torch.int32, device=device),
                    heads=torch.zeros(shape, dtype=torch.int32, device=device),
                    count=torch.zeros(shape[:3], dtype=torch.int32, device=device),
                    peak=torch.zeros(max_batch, dtype=torch.int32, device=device),
-                   overflow=torch.zeros(max_batch, dtype=torch.bool, device=device))
+                   overflow=torch.zeros(max_batch, dtype=torch.bool, device=device),
+                   dropped64=torch.zeros(*shape[:3], block_g, dtype=torch.float64, device=device),
+                   provisional=torch.zeros(max_batch, heads_q, dtype=torch.float32, device=device),
+                   failed=torch.zeros(max_batch, dtype=torch.bool, device=device))
 
     def view(self, batch: int) -> "SurvivorLists":
-        return SurvivorLists(self.slot[:batch], self.heads[:batch], self.count[:batch], self.peak[:batch],
-                             self.overflow[:batch], None if self.pos is None else self.pos[:batch])
+        fields = {k: v[:batch] for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+        return SurvivorLists(**fields)
 
     def with_positions(self) -> "SurvivorLists":
         if self.pos is None:
@@ -62,6 +71,7 @@ class TritonStreamDecode(TritonDecode):
     passes (module docstring). Graph-safe under the same conditions as ``triton``."""
 
     name = "triton_stream"
+    one_pass_certified = True
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)
@@ -73,7 +83,8 @@ class TritonStreamDecode(TritonDecode):
 
     def _allocate_lists(self, ws: GpuWorkspace) -> SurvivorLists:
         capacity = stream.segment_capacity(self.launch, self.config.page_size)
-        return SurvivorLists.allocate(ws.max_batch, ws.m.shape[1], ws.m.shape[2], capacity, self.device)
+        return SurvivorLists.allocate(ws.max_batch, ws.m.shape[1], ws.m.shape[2], capacity, ws.m.shape[3],
+                                      ws.ref.shape[1], self.device)
 
     def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
         if q.shape[1] // k_cache.shape[1] > stream.MAX_GROUP:
@@ -90,10 +101,13 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     """The launches of one streaming step (module docstring)."""
     h_kv = k_cache.shape[1]
     layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
-    threshold_pass(q, k_cache, ws, store, sigma, config, launch)
-    stream.filter_survivors(q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref,
-                            lists.as_kernel_args(), ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens,
-                            config.grid_bits, launch, positions=keep is not None)
+    filter_args = (q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, lists.as_kernel_args(),
+                   ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens, config.grid_bits, launch)
+    if config.policy == "certified" and config.certified_passes == 1:
+        _one_pass_thresholds(q, k_cache, ws, lists, store, sigma, config, launch, filter_args, keep is not None)
+    else:
+        threshold_pass(q, k_cache, ws, store, sigma, config, launch)
+        stream.filter_survivors(*filter_args, positions=keep is not None)
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     capacity = lists.slot.shape[3]
     torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
@@ -108,3 +122,33 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
                     bits=config.grid_bits, gate=gates_values(config), gate_rel=VALUE_GATE.rel, launch=launch,
                     attended=keep, fallback=ws.fallback)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+
+
+def _one_pass_thresholds(q, k_cache, ws: GpuWorkspace, lists: SurvivorLists, store, sigma: float, config, launch,
+                         filter_args: tuple, positions: bool) -> None:
+    """The one-pass certified rule (``threshold.safe_level`` / ``provisional_certified``): T_p,
+    the filter at T_p with its fp64 dropped mass, the check on the device; requests with a head
+    whose check fails take the histogram rule (the histogram and the filter again, launched for
+    every request but doing work only for the flagged ones: graph-safe, no host read)."""
+    h_kv = k_cache.shape[1]
+    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    lens, table = ws.seq_lens, ws.page_table
+    eps_budget = config.eps * BUDGET_SAFETY
+    kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, config.min_sparse_tokens,
+                    launch=launch, hist=ws.hist, habs=ws.habs)
+    n_indexed = RequestLayout.of(config).indexed_tokens(lens)
+    lists.provisional.copy_(th.safe_level(ws.ref, ws.z_lb, n_indexed, sigma, eps_budget, HIST_ROUNDING))
+    ws.threshold.copy_(lists.provisional)
+    stream.filter_survivors(*filter_args, positions=positions, dropped64=lists.dropped64)
+    batch, heads = ws.ref.shape
+    dropped = lists.dropped64[..., : heads // h_kv].sum(2).reshape(batch, heads)
+    ok, certificate = th.provisional_certified(dropped, ws.z_lb, eps_budget, HIST_ROUNDING)
+    torch.logical_not(ok.all(dim=1), out=lists.failed)
+    kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout,
+                        config.min_sparse_tokens, config.grid_bits, EDGES, launch, flagged=lists.failed)
+    kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma, eps_budget,
+                             HIST_ROUNDING, h_kv, EDGES, launch)
+    failed = lists.failed[:, None]
+    ws.threshold.copy_(torch.where(failed, ws.threshold, lists.provisional))
+    ws.certificate.copy_(torch.where(failed, ws.certificate, certificate))
+    stream.filter_survivors(*filter_args, positions=positions, flagged=lists.failed)

@@ -147,3 +147,27 @@ def test_segment_capacity_and_group_limit():
     config, q, k, v, table, lens, store = _setup("budget", torch.float32, groups=31)
     with pytest.raises(ValueError, match="at most 30 query heads per KV head"):
         _run("triton_stream", config, q, k, v, table, lens, store, 0.125)
+
+
+def test_one_pass_certified_on_the_device():
+    """``certified_passes=1``: T is the provisional level where the check passes (the certificate
+    below eps); a request whose check fails (a NaN in a dense key) gets the histogram rule's T
+    and certificate, on the device, and every other request keeps its one-pass T and output."""
+    config, q, k, v, table, lens, store = _setup("certified", torch.float32, certified_passes=1, eps=0.01)
+    sigma = 1 / math.sqrt(64)
+    clean_out, clean, masks, _ = _run("triton_stream", config, q, k, v, table, lens, store, sigma)
+    assert bool((clean.mass_bound.cpu() < config.eps).all())
+    for b in range(len(LENS)):
+        s, vv = _dense(q, k, v, table, lens, b, sigma)
+        assert not bool(((s >= clean.threshold[b].cpu().double()[:, None]) & ~masks[b]).any()), "false negatives"
+        dropped = (torch.softmax(sigma * s, dim=1) * ~masks[b]).sum(1)
+        assert bool((dropped <= clean.mass_bound[b].cpu() + 1e-12).all())
+    bad = k.clone()
+    tail = int(lens[0]) - 1  # request 0's last token: in its dense tail
+    bad[int(table[0, tail // P]) * P + tail % P, 1, 5] = float("nan")
+    out, stats, _, _ = _run("triton_stream", config, q, bad, v, table, lens, store, sigma)
+    _, two, _, _ = _run("triton_stream", config.with_(certified_passes=2), q, bad, v, table, lens, store, sigma)
+    torch.testing.assert_close(stats.threshold[0].cpu(), two.threshold[0].cpu(), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(stats.mass_bound[0].cpu(), two.mass_bound[0].cpu(), atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(stats.threshold[1:].cpu(), clean.threshold[1:].cpu())
+    assert torch.equal(out[1:], clean_out[1:])
