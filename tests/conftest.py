@@ -56,6 +56,17 @@ def rng():
     return torch.Generator().manual_seed(1234)
 
 
+def fp64_request(q, k, v, page_table, seq_lens, b: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's fp64 brute force: scores ``[H_q, L]`` of its queries against its paged keys and
+    its values ``[L, H_q, D_v]`` (KV heads repeated over their GQA groups)."""
+    n = int(seq_lens[b])
+    pos = torch.arange(n)
+    slots = page_table[b, pos // page_size] * page_size + pos % page_size
+    groups = q.shape[1] // k.shape[1]
+    scores = torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(groups, 1))
+    return scores, v[slots].double().repeat_interleave(groups, 1)
+
+
 def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[torch.Tensor]:
     """The keys the compiled grid step attends at ``thresholds`` ``[B, H_q]`` (no value gate): per
     request a bool mask ``[H_q, L]``, True for the dense part and, per GQA group, for every token

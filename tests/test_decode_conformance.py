@@ -24,7 +24,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton implementation is first imported
 
-from conftest import compiled_attended, make_paged  # noqa: E402
+from conftest import compiled_attended, fp64_request, make_paged  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import LouverDecode, available_implementations  # noqa: E402
 from louver_sgl.decode.contract import VALUE_GATE, RequestLayout, gates_values  # noqa: E402
@@ -91,15 +91,6 @@ def _gate(mask, q, k, table, b, n, t, config):
     mask[:, pos] &= ~(scores < VALUE_GATE.threshold(t)[:, None])
 
 
-def _fp64(q, k, v, table, lens, b, size):
-    n = int(lens[b])
-    pos = torch.arange(n)
-    slots = table[b, pos // size] * size + pos % size
-    groups = q.shape[1] // k.shape[1]
-    scores = torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(groups, 1))
-    return scores, v[slots].double().repeat_interleave(groups, 1)
-
-
 def _check_step(config, q, k, v, table, lens, store, sigma, out, stats, masks):
     layout = RequestLayout.of(config)
     h_kv = k.shape[1]
@@ -110,7 +101,7 @@ def _check_step(config, q, k, v, table, lens, store, sigma, out, stats, masks):
         assert bool((stats.mass_bound.cpu() < config.eps).all())
     tol = 2e-5 if q.dtype == torch.float32 else 8e-3
     for b in range(len(LENS)):
-        scores, values = _fp64(q, k, v, table, lens, b, config.page_size)
+        scores, values = fp64_request(q, k, v, table, lens, b, config.page_size)
         mask, bound, t = masks[b], stats.mass_bound[b].cpu(), stats.threshold[b].cpu().double()
         assert not bool(((scores >= t[:, None]) & ~mask).any()), f"request {b}: a key scoring >= T was not attended"
         if int(stats.num_indexed[b]) == 0 or bool(stats.dense_fallback[b]):

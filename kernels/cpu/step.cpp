@@ -240,6 +240,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   const MergeArgs g = merge_args(p.s_dense, p.dense_slots, p.dense_req, v_cache, p.m2, p.l2, p.o2, p.chunk_req, sigma,
                                  p.result);
   const bool certified = eps_budget >= 0;
+  bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
     const auto run = [&](int phases) {
       run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
@@ -264,7 +265,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     run(kAttendMerge);
     chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
     const std::vector<char> failed = certify_provisional(p, eps_budget, rounding);
-    if (std::find(failed.begin(), failed.end(), 1) == failed.end()) return;
+    totals_summed = std::find(failed.begin(), failed.end(), 1) == failed.end();
+    if (totals_summed) return;
     // the rare path: the certified pass (every request), then the passing requests' provisional
     // T and certificate put back, and one more attend pass
     const torch::Tensor t_kept = p.t.clone(), cert_kept = p.certificate.clone();
@@ -272,7 +274,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     keep_rows(failed, t_kept, p.t, cert_kept, p.certificate);
     run(kAttendMerge);
   });
-  chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+  if (!totals_summed) chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
   torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
                                      p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(),

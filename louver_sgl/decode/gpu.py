@@ -207,18 +207,28 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
           launch: TritonLaunch, out, keep) -> None:
     """The launches of one step (module docstring) on the workspace view of a planned batch."""
     h_kv = k_cache.shape[1]
-    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
-    lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     threshold_pass(q, k_cache, ws, store, sigma, config, launch)
-    attend = dict(layout=layout, min_sparse=min_sparse, bits=config.grid_bits, gate=gates_values(config),
-                  gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
-    kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
-                ws.mass, sigma, **attend)
+    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
+                ws.mass, sigma, **_attend_options(config, launch, keep))
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
-        kern.attend(q, k_cache, v_cache, table, lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o,
-                    ws.counts, ws.mass, sigma, fallback=ws.fallback, **attend)
+        dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+
+
+def _attend_options(config: LouverConfig, launch: TritonLaunch, keep) -> dict:
+    """The keyword arguments of ``grid_decode.attend`` that come from the config and launch."""
+    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    return dict(layout=layout, min_sparse=config.min_sparse_tokens, bits=config.grid_bits,
+                gate=gates_values(config), gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
+
+
+def dense_fallback_pass(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+                        launch: TritonLaunch, keep) -> None:
+    """The split states of the requests flagged in ws.fallback recomputed densely (every other
+    program returns at once)."""
+    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
+                ws.o, ws.counts, ws.mass, sigma, fallback=ws.fallback, **_attend_options(config, launch, keep))
 
 
 def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,

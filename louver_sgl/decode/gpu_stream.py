@@ -19,7 +19,7 @@ import torch
 
 from . import threshold as th
 from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout, gates_values
-from .gpu import GpuWorkspace, TritonDecode, fallback_flags, threshold_pass
+from .gpu import GpuWorkspace, TritonDecode, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
@@ -117,10 +117,7 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
                             ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, gates_values(config), VALUE_GATE.rel,
                             kern._kv_dtype(k_cache), launch, attended=keep)
     if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
-        kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m,
-                    ws.l, ws.o, ws.counts, ws.mass, sigma, layout=layout, min_sparse=config.min_sparse_tokens,
-                    bits=config.grid_bits, gate=gates_values(config), gate_rel=VALUE_GATE.rel, launch=launch,
-                    attended=keep, fallback=ws.fallback)
+        dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
 
 

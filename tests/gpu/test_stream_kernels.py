@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import make_paged  # noqa: E402
+from conftest import fp64_request, make_paged  # noqa: E402
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
@@ -47,16 +47,6 @@ def _run(impl, config, q, k, v, table, lens, store, sigma, launch=LAUNCH):
     return out.cpu(), stats, [m.cpu() for m in masks], decode
 
 
-def _dense(q, k, v, table, lens, b, sigma):
-    n = int(lens[b])
-    pos = torch.arange(n)
-    slots = table[b, pos // P] * P + pos % P
-    groups = q.shape[1] // k.shape[1]
-    s = torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(groups, 1))
-    vv = v[slots].double().repeat_interleave(groups, 1)
-    return s, vv
-
-
 @pytest.mark.parametrize("policy,dtype", [("certified", torch.float16), ("budget", torch.float32),
                                           ("fixed", torch.float16), ("dense", torch.float32)])
 def test_stream_attends_the_fused_set_exactly(policy, dtype):
@@ -73,7 +63,7 @@ def test_stream_attends_the_fused_set_exactly(policy, dtype):
     tol = 4e-3 if dtype != torch.float32 else 2e-5
     for b in range(len(LENS)):
         assert torch.equal(masks[b], f_masks[b]), f"request {b}: attended sets differ"
-        s, vv = _dense(q, k, v, table, lens, b, sigma)
+        s, vv = fp64_request(q, k, v, table, lens, b, P)
         assert not bool(((s >= stats.threshold[b].cpu().double()[:, None]) & ~masks[b]).any()), "false negatives"
         p = torch.softmax(sigma * s.masked_fill(~masks[b], -math.inf), dim=1)
         torch.testing.assert_close(out[b].double(), torch.einsum("hl,lhd->hd", p, vv),
@@ -118,7 +108,7 @@ def test_overflowing_lists_fall_back_to_dense_attention():
     overflow = lists.overflow.cpu()
     assert bool(overflow.any()) and torch.equal(stats.dense_fallback.cpu(), overflow)
     for b in range(len(LENS)):
-        s, vv = _dense(q, k, v, table, lens, b, sigma)
+        s, vv = fp64_request(q, k, v, table, lens, b, P)
         assert bool(masks[b].all())
         want = torch.einsum("hl,lhd->hd", torch.softmax(sigma * s, dim=1), vv)
         torch.testing.assert_close(out[b].double(), want, atol=2e-5 * vv.abs().max().item(), rtol=0)
@@ -158,7 +148,7 @@ def test_one_pass_certified_on_the_device():
     clean_out, clean, masks, _ = _run("triton_stream", config, q, k, v, table, lens, store, sigma)
     assert bool((clean.mass_bound.cpu() < config.eps).all())
     for b in range(len(LENS)):
-        s, vv = _dense(q, k, v, table, lens, b, sigma)
+        s, vv = fp64_request(q, k, v, table, lens, b, P)
         assert not bool(((s >= clean.threshold[b].cpu().double()[:, None]) & ~masks[b]).any()), "false negatives"
         dropped = (torch.softmax(sigma * s, dim=1) * ~masks[b]).sum(1)
         assert bool((dropped <= clean.mass_bound[b].cpu() + 1e-12).all())
