@@ -38,8 +38,14 @@ KEYS = ("mean_tpot_ms", "mean_ttft_ms", "median_ttft_ms", "output_throughput", "
         "completed")
 
 
-def workload_args(workload: str, input_len: int, concurrency: int, output_len: int) -> list[str]:
-    prompts = max(2, concurrency)
+def prompt_count(concurrency: int, num_prompts: int | None) -> int:
+    """Prompts per row: ``max(2, concurrency)`` unless given (one 32K prompt is ~20 min of prefill)."""
+    return num_prompts if num_prompts is not None else max(2, concurrency)
+
+
+def workload_args(workload: str, input_len: int, concurrency: int, output_len: int, prompts: int) -> list[str]:
+    if prompts < concurrency:
+        raise ValueError(f"{prompts} prompts cannot keep {concurrency} requests in flight")
     if workload == "random":
         return ["--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
                 str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
@@ -50,16 +56,30 @@ def workload_args(workload: str, input_len: int, concurrency: int, output_len: i
     raise ValueError(f"unknown workload {workload!r} (random, shared-prefix)")
 
 
-def bench_serving(url: str, model: Path, args: list[str], concurrency: int, out: Path) -> dict:
+def bench_serving(url: str, model: Path, args: list[str], concurrency: int, prompts: int, output_len: int,
+                  out: Path) -> dict:
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
            "--tokenizer", str(model), "--model", str(model), "--request-rate", "inf", "--seed", "1",
            "--max-concurrency", str(concurrency), "--output-file", str(out),
            # bench_serving's warmup sends the first prompt itself, so the first measured request
            # would hit the radix cache: no warmup (the server was warmed once), cache flushed
-           "--warmup-requests", "0", "--flush-cache", *args]
+           "--warmup-requests", "0", "--flush-cache", "--output-details", *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
     result = json.loads(out.read_text().strip().splitlines()[-1])
+    check_requests(result, prompts, output_len)
     return {k: result.get(k) for k in KEYS}
+
+
+def check_requests(result: dict, prompts: int, output_len: int) -> None:
+    """Refuse a row whose requests did not all run: bench_serving counts a request the server
+    refused at once (e.g. prompt plus output past the context) as completed, with TTFT 0."""
+    errors = [e for e in result.get("errors", []) if e]
+    ttfts = result.get("ttfts", [])
+    lens = result.get("output_lens", [])
+    if (errors or result.get("completed") != prompts or len(ttfts) != prompts or min(ttfts, default=0) <= 0
+            or any(n != output_len for n in lens)):
+        raise RuntimeError(f"bench_serving row failed: completed {result.get('completed')} of {prompts}, "
+                           f"ttfts {ttfts}, output lengths {lens} (want {output_len}), errors {errors[:2]}")
 
 
 def read_pages(stats: Path) -> tuple[int, int]:
@@ -74,8 +94,8 @@ def row_key(row: dict) -> tuple:
     return row["config"], row["workload"], row["input_len"], row["concurrency"]
 
 
-def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output_len: int, done: set,
-               save) -> None:
+def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output_len: int,
+               num_prompts: int | None, done: set, save) -> None:
     backend, policy, env = CONFIGS[name]
     todo = [c for c in cells if (name, *c) not in done]
     if not todo:
@@ -92,11 +112,13 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
             generate(url, "Warm up the server once before the measured rows.", max_new_tokens=8)
             for workload, input_len, concurrency in todo:
                 before = read_pages(stats)
-                args = workload_args(workload, input_len, concurrency, output_len)
-                result = bench_serving(url, model, args, concurrency, Path(tmp) / "bench.jsonl")
+                prompts = prompt_count(concurrency, num_prompts)
+                args = workload_args(workload, input_len, concurrency, output_len, prompts)
+                result = bench_serving(url, model, args, concurrency, prompts, output_len, Path(tmp) / "bench.jsonl")
                 after = read_pages(stats)
                 row = {"config": name, "backend": backend, "policy": policy, "workload": workload,
-                       "input_len": input_len, "concurrency": concurrency, "output_len": output_len, **result}
+                       "input_len": input_len, "concurrency": concurrency, "output_len": output_len,
+                       "num_prompts": prompts, **result}
                 if backend == "louver":
                     row.update(index_pages_built=after[0] - before[0], index_pages_reused=after[1] - before[1])
                 save(row)
@@ -110,12 +132,16 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--workloads", nargs="+", default=["random", "shared-prefix"])
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per row (default max(2, concurrency))")
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     args = parser.parse_args()
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32",
-                command="python -m benchmarks.serving_grid_cpu " + " ".join(sys.argv[1:]))
+    data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32")
+    # the grid is run in pieces: every invocation that added rows is kept
+    commands = data.setdefault("commands", [data.pop("command")] if "command" in data else [])
+    commands.append("python -m benchmarks.serving_grid_cpu " + " ".join(sys.argv[1:]))
     done = {row_key(r) for r in data["rows"]}
 
     def save(row: dict) -> None:
@@ -124,7 +150,7 @@ def main() -> None:
 
     cells = [(w, n, c) for n in args.input_lens for c in args.concurrency for w in args.workloads]
     for name in args.configs:
-        run_config(name, cells, ensure_model(), args.output_len, done, save)
+        run_config(name, cells, ensure_model(), args.output_len, args.num_prompts, done, save)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""The serving grid's and one_batch runner's argument handling (no server is started)."""
+
+import json
+
+import pytest
+
+from benchmarks import one_batch_cpu
+from benchmarks.serving_grid_cpu import prompt_count, workload_args
+
+
+def test_prompt_count_default_and_override():
+    assert prompt_count(1, None) == 2
+    assert prompt_count(4, None) == 4
+    assert prompt_count(1, 1) == 1
+
+
+def test_workload_args_pass_the_prompt_count():
+    random = workload_args("random", 32768, 1, 64, 1)
+    assert random[random.index("--num-prompts") + 1] == "1"
+    assert random[random.index("--random-input-len") + 1] == "32768"
+    shared = workload_args("shared-prefix", 8192, 4, 64, 4)
+    assert shared[shared.index("--gsp-prompts-per-group") + 1] == "4"
+    assert shared[shared.index("--gsp-system-prompt-len") + 1] == str(8192 - 100)
+
+
+def test_workload_args_refuse_fewer_prompts_than_concurrency():
+    with pytest.raises(ValueError, match="cannot keep 4 requests"):
+        workload_args("random", 8192, 4, 64, 2)
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_args("sharegpt", 8192, 1, 64, 2)
+
+
+def test_one_batch_rows_from_its_result_file(tmp_path, monkeypatch):
+    """one_batch's jsonl results become rows; a failed run is an error, not an empty result."""
+    calls = []
+
+    def fake_run(cmd, stdout, stderr, timeout, env):
+        calls.append(cmd)
+        out = cmd[cmd.index("--result-filename") + 1]
+        with open(out, "a") as f:
+            for n in (1024, 4096):
+                f.write(json.dumps({"batch_size": 1, "input_len": n, "output_len": 32, "prefill_latency": 1.5,
+                                    "prefill_throughput": n / 1.5, "median_decode_latency": 0.2,
+                                    "median_decode_throughput": 5.0, "total_latency": 8.0}) + "\n")
+
+        class Done:
+            returncode = 0
+        return Done()
+
+    monkeypatch.setattr(one_batch_cpu.subprocess, "run", fake_run)
+    rows = one_batch_cpu.one_batch(tmp_path / "model", "budget-0.05", [1024, 4096], 32, tmp_path / "log")
+    assert [r["input_len"] for r in rows] == [1024, 4096]
+    assert rows[1]["decode_median_s"] == 0.2 and rows[1]["policy"] == "budget-0.05"
+    assert rows[1]["warmup_input_len"] == 1024
+    cmd = calls[0]
+    assert cmd[cmd.index("--attention-backend") + 1] == "louver" and "--json-model-override-args" not in cmd
+
+    class Failed:
+        returncode = 3
+    monkeypatch.setattr(one_batch_cpu.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(RuntimeError, match="exited 3"):
+        one_batch_cpu.one_batch(tmp_path / "model", "torch_native", [1024, 16384], 32, tmp_path / "log")
+
+
+def test_a_refused_request_fails_the_row():
+    """A prompt past the context comes back at once, counted as completed with TTFT 0."""
+    from benchmarks.serving_grid_cpu import check_requests
+
+    good = {"completed": 2, "ttfts": [50.0, 2.0], "output_lens": [64, 64], "errors": ["", ""]}
+    check_requests(good, 2, 64)
+    refused = {"completed": 1, "ttfts": [0.0], "output_lens": [64], "errors": [""]}
+    with pytest.raises(RuntimeError, match="bench_serving row failed"):
+        check_requests(refused, 1, 64)
+    with pytest.raises(RuntimeError, match="want 64"):
+        check_requests({**good, "output_lens": [64, 1]}, 2, 64)
+    with pytest.raises(RuntimeError):
+        check_requests({**good, "errors": ["", "HTTP 400"]}, 2, 64)
