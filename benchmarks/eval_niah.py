@@ -85,7 +85,9 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: 
 
     backend, env = server_setup(config)
     (cache_dir / config).mkdir(parents=True, exist_ok=True)
-    extra = ["--dtype", dtype, *(YARN_32K_ARGS if yarn else [])]
+    # past 8K: the context stretched, and the scheduler watchdog (300 s) raised above the longest
+    # torch_native extend chunk (seq x seq; one chunk at 32K takes longer than 300 s here)
+    extra = ["--dtype", dtype, *(YARN_32K_ARGS + ["--watchdog-timeout", "3600"] if yarn else [])]
     with sglang_server(model, backend, free_port(), env, extra=extra, timeout=900,
                        log_path=cache_dir / config / "server.log") as url:
         return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))

@@ -63,8 +63,12 @@ def bench_serving(url: str, model: Path, args: list[str], concurrency: int, prom
            "--max-concurrency", str(concurrency), "--output-file", str(out),
            # bench_serving's warmup sends the first prompt itself, so the first measured request
            # would hit the radix cache: no warmup (the server was warmed once), cache flushed
-           "--warmup-requests", "0", "--flush-cache", "--output-details", *args]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
+           "--warmup-requests", "0", "--flush-cache", "--output-details",
+           # token ids, not text: a random-id prompt decoded and re-tokenized grows by ~5 %
+           # (32,640 ids became 34,214 tokens, past the 32K context)
+           "--tokenize-prompt", *args]
+    with out.with_suffix(".log").open("a") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=7200)
     result = json.loads(out.read_text().strip().splitlines()[-1])
     check_requests(result, prompts, output_len)
     return {k: result.get(k) for k in KEYS}
@@ -95,30 +99,35 @@ def row_key(row: dict) -> tuple:
 
 
 def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output_len: int,
-               num_prompts: int | None, done: set, save) -> None:
+               num_prompts: int | None, done: set, save, log_dir: str) -> None:
     backend, policy, env = CONFIGS[name]
     todo = [c for c in cells if (name, *c) not in done]
     if not todo:
         return
     longest = max(n for _, n, _ in todo)
-    extra = ["--dtype", "float32", "--max-total-tokens", str(max(4 * longest + 4096, 40000))]
+    # SGLang's torch_native extend is seq x seq per chunk: at 32K one chunk's forward takes longer
+    # than the scheduler watchdog's default 300 s, which then kills the server
+    extra = ["--dtype", "float32", "--max-total-tokens", str(max(4 * longest + 4096, 40000)),
+             "--watchdog-timeout", "3600"]
     if longest + output_len > 8192:
         extra += YARN_32K_ARGS
     with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(log_dir) / name
+        logs.mkdir(parents=True, exist_ok=True)
         stats = Path(tmp) / "stats.json"
         server_env = {**env, "LOUVER_STATS_FILE": str(stats)} if backend == "louver" else {}
         with sglang_server(model, backend, free_port(), server_env, extra, timeout=900,
-                           log_path=Path(tmp) / "server.log", max_total_tokens=None) as url:
+                           log_path=logs / "server.log", max_total_tokens=None) as url:
             generate(url, "Warm up the server once before the measured rows.", max_new_tokens=8)
             for workload, input_len, concurrency in todo:
                 before = read_pages(stats)
                 prompts = prompt_count(concurrency, num_prompts)
                 args = workload_args(workload, input_len, concurrency, output_len, prompts)
-                result = bench_serving(url, model, args, concurrency, prompts, output_len, Path(tmp) / "bench.jsonl")
+                result = bench_serving(url, model, args, concurrency, prompts, output_len, logs / "bench.jsonl")
                 after = read_pages(stats)
                 row = {"config": name, "backend": backend, "policy": policy, "workload": workload,
                        "input_len": input_len, "concurrency": concurrency, "output_len": output_len,
-                       "num_prompts": prompts, **result}
+                       "num_prompts": prompts, "prompt_as_token_ids": True, **result}
                 if backend == "louver":
                     row.update(index_pages_built=after[0] - before[0], index_pages_reused=after[1] - before[1])
                 save(row)
@@ -135,6 +144,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per row (default max(2, concurrency))")
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
+    parser.add_argument("--log-dir", default="/tmp/serving-grid-logs", help="server and bench_serving logs")
     args = parser.parse_args()
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
@@ -150,7 +160,7 @@ def main() -> None:
 
     cells = [(w, n, c) for n in args.input_lens for c in args.concurrency for w in args.workloads]
     for name in args.configs:
-        run_config(name, cells, ensure_model(), args.output_len, args.num_prompts, done, save)
+        run_config(name, cells, ensure_model(), args.output_len, args.num_prompts, done, save, args.log_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): decode time per token (mean ITL)
-and TTFT against input length per configuration and workload, and the decode speedup of each
-louver policy over ``torch_native``.
+"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): decode time per token (mean ITL),
+TTFT and output throughput against input length per configuration and workload, and the decode
+speedup of each louver policy over ``torch_native``.
 
     python -m benchmarks.serving_plots --results benchmarks/results/serving_cpu.json --out docs/img/serving_cpu.png
 """
@@ -42,11 +42,13 @@ def main() -> None:
     args = parser.parse_args()
     data = json.loads(Path(args.results).read_text())
     rows = data["rows"]
+    rows = [r for r in rows if r["concurrency"] == args.concurrency]
     workloads = sorted({r["workload"] for r in rows})
-    fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 3.8 * len(workloads)), squeeze=False)
+    fig, axes = plt.subplots(len(workloads), 4, figsize=(18, 3.8 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):
         panels = ((series(rows, workload, args.concurrency, "mean_itl_ms"), "decode ms per token (mean ITL)"),
                   (series(rows, workload, args.concurrency, "mean_ttft_ms"), "TTFT (ms)"),
+                  (series(rows, workload, args.concurrency, "output_throughput"), "output tokens / s"),
                   (speedups(rows, workload, args.concurrency), "decode speedup vs torch_native"))
         for ax, (lines, label) in zip(axes[i], panels):
             for name, points in lines.items():
