@@ -87,8 +87,8 @@ def test_statistics_file_keeps_one_account_per_request(tmp_path, monkeypatch):
     monkeypatch.setattr(telemetry, "REQUEST_LIMIT", 3)
     path = tmp_path / "stats.json"
     tel = Telemetry(interval=0, stats_file=str(path), page_size=64)
-    tel.count_prefill("a", built=10, reused=0)
-    tel.count_prefill("b", built=2, reused=8)
+    tel.count_prefill("a", built=10, prefix=0)
+    tel.count_prefill("b", built=2, prefix=8)
     steps = [_stats(seed) for seed in range(4)]
     for stats in steps[:2]:
         tel.record_step(stats, ["a", "b"])
@@ -108,6 +108,28 @@ def test_statistics_file_keeps_one_account_per_request(tmp_path, monkeypatch):
     assert data["pages_built"] == 12 and data["sparse_steps"] == sum(
         1 for s in steps for r in range(2) if not bool(s.dense_fallback[r]))
     for rid in ("c", "d"):
-        tel.count_prefill(rid, built=1, reused=0)
+        tel.count_prefill(rid, built=1, prefix=0)
     tel.dump()
     assert list(json.loads(path.read_text())["requests"]) == ["b", "c", "d"]
+
+
+def test_chunked_prefill_counts_its_own_chunks_as_built_not_reused(tmp_path):
+    """A 4-chunk prompt (64 pages a chunk) over a 10-page cached prefix: reuse is the cached
+    prefix once, not every chunk's prefix; a new request under the same id after the first
+    decode step counts its own prefix again."""
+    tel = Telemetry(interval=0, stats_file=str(tmp_path / "stats.json"))
+    prefix = 10
+    for chunk in range(4):
+        tel.count_prefill("long", built=64 - (prefix if chunk == 0 else 0), prefix=prefix)
+        prefix = 64 * (chunk + 1)
+    acc = tel.requests["long"]
+    assert (acc.pages_built, acc.pages_reused) == (256 - 10, 10)
+    assert (tel.pages_built, tel.pages_reused) == (246, 10)
+    tel.count_prefill("other", built=2, prefix=250)  # another request over the cached document
+    assert tel.requests["other"].pages_reused == 250
+    tel.count_prefill(None, built=1, prefix=5)  # no request id: every prefix page is reuse
+    assert tel.pages_reused == 265
+    tel.record_step(_stats(0), ["long", "other"])  # decoding: their prefills are over
+    assert not tel.prefill_counted
+    tel.count_prefill("long", built=3, prefix=250)
+    assert tel.requests["long"].pages_reused == 260

@@ -97,7 +97,7 @@ def print_account(a: dict, ttft: float, total: float, new_tokens: int) -> None:
         print(f"  keys attended: {100 * a['attended_keys'] / a['indexed_keys']:.1f}% of the indexed keys; "
               f"pages skipped {100 * a['pages_skipped'] / max(a['indexed_pages'], 1):.1f}%")
         print(f"  certified dropped-mass bound: <= {a['mass_bound_max']:.2e} (largest over its sparse steps)")
-    print(f"  index pages: {a['pages_built']:,} built, {a['pages_reused']:,} reused")
+    print(f"  index pages: {a['pages_built']:,} built, {a['pages_reused']:,} reused from the radix cache")
     decode = (total - ttft) / max(new_tokens - 1, 1)
     print(f"  time to first token {ttft:.1f} s; decode {decode:.2f} s/token")
 

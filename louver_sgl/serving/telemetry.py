@@ -115,6 +115,9 @@ class Telemetry:
     pending: list = field(default_factory=list)  # StepStats recorded but not yet summed
     pending_rids: list = field(default_factory=list)  # the request id of each pending row
     requests: OrderedDict = field(default_factory=OrderedDict)  # rid -> RequestAccount
+    # rid -> pages of that request's prompt already counted (reused or built) by its earlier
+    # prefill chunks: their pages are the request's own, not reuse; dropped at its first decode
+    prefill_counted: OrderedDict = field(default_factory=OrderedDict)
     _metrics: dict | None = None
 
     def record_step(self, stats, rids: list[str] | None = None) -> None:
@@ -123,6 +126,9 @@ class Telemetry:
         PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
         attention has swept the caches each costs microseconds on the decode path."""
         self.pending.append(stats)
+        if self.prefill_counted and rids is not None:
+            for rid in rids:  # prefill done: a later request under the same id starts afresh
+                self.prefill_counted.pop(rid, None)
         if self.stats_file and rids is not None and len(rids) == stats.candidates.shape[0]:
             self.pending_rids.extend(rids)
         else:
@@ -157,8 +163,19 @@ class Telemetry:
         self.requests.move_to_end(rid)
         return self.requests[rid]
 
-    def count_prefill(self, rid: str | None, built: int, reused: int) -> None:
-        """Index pages one request's prefill built and reused (all its pages, one layer's count)."""
+    def count_prefill(self, rid: str | None, built: int, prefix: int) -> None:
+        """Index pages one extend of a request built, and those of its ``prefix`` pages it reused
+        (one layer's count). Under chunked prefill a later chunk's prefix holds the pages the
+        earlier chunks built or reused; only pages not yet counted for ``rid`` are reuse (from
+        the radix cache, built by another request). Without a request id every prefix page
+        counts as reused."""
+        reused = prefix
+        if rid is not None:
+            counted = self.prefill_counted.pop(rid, 0)
+            reused = max(prefix - counted, 0)
+            self.prefill_counted[rid] = max(counted, prefix) + built
+            while len(self.prefill_counted) > REQUEST_LIMIT:
+                self.prefill_counted.popitem(last=False)
         self.pages_built += built
         self.pages_reused += reused
         if self.stats_file and rid is not None:
@@ -249,5 +266,6 @@ def _make_metrics() -> dict:
         "pages_skipped_fraction": gauge("pages_skipped_fraction", "Indexed pages skipped by their page bound."),
         "mass_bound_max": gauge("mass_bound_max", "Largest certified upper bound on dropped softmax mass."),
         "built": gauge("index_pages_built", "Index pages built since start (all layers)."),
-        "reused": gauge("index_pages_reused", "Prefix index pages read without rebuild."),
+        "reused": gauge("index_pages_reused",
+                        "Prefix index pages read from the radix cache without rebuild (another request's)."),
     }
