@@ -41,8 +41,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     args = parser.parse_args()
     data = json.loads(Path(args.results).read_text())
-    rows = data["rows"]
-    rows = [r for r in rows if r["concurrency"] == args.concurrency]
+    rows = [r for r in data["rows"] if r["concurrency"] == args.concurrency]  # no empty workload panels
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(len(workloads), 4, figsize=(18, 3.8 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):

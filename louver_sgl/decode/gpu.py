@@ -208,8 +208,8 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     """The launches of one step (module docstring) on the workspace view of a planned batch."""
     h_kv = k_cache.shape[1]
     threshold_pass(q, k_cache, ws, store, sigma, config, launch)
-    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o, ws.counts,
-                ws.mass, sigma, **_attend_options(config, launch, keep))
+    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
+                ws.o, ws.counts, ws.mass, sigma, **_attend_options(config, launch, keep))
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
