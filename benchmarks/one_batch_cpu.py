@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.serving_grid_cpu import CONFIGS
+from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_sgl.data.fetch_model import ensure_model
 from louver_sgl.eval.server import YARN_32K_ARGS
 
@@ -63,7 +63,7 @@ def one_batch(model: Path, name: str, input_lens: list[int], output_len: int, lo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32768])
     parser.add_argument("--warmup-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=32)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from benchmarks import one_batch_cpu
-from benchmarks.serving_grid_cpu import prompt_count, workload_args
+from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS, prompt_count, workload_args
+from louver_sgl.serving.options import load_options
 
 
 def test_prompt_count_default_and_override():
@@ -75,3 +76,14 @@ def test_a_refused_request_fails_the_row():
         check_requests({**good, "output_lens": [64, 1]}, 2, 64)
     with pytest.raises(RuntimeError):
         check_requests({**good, "errors": ["", "HTTP 400"]}, 2, 64)
+
+
+def test_every_configuration_environment_is_a_valid_louver_option_set():
+    """A misspelt LOUVER_* variable would fail the server at startup, an hour into a grid."""
+    assert set(DEFAULT_CONFIGS) <= set(CONFIGS)
+    assert "budget-0.05-native-extend" not in DEFAULT_CONFIGS  # a TTFT control, run on request
+    for name, (backend, policy, env) in CONFIGS.items():
+        assert (backend == "louver") == (policy is not None), name
+        load_options(env)  # parses and validates every value
+    config, serving = load_options(CONFIGS["budget-0.05-native-extend"][2])
+    assert serving.extend_backend == "torch_native" and config.budget == 0.05
