@@ -16,12 +16,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.serving_grid_cpu import CONFIGS  # noqa: E402
 
-def series(rows: list[dict], workload: str, concurrency: int, key: str) -> dict[str, list[tuple[int, float]]]:
+COLOURS = {name: f"C{i}" for i, name in enumerate(CONFIGS)}  # one colour per configuration in every panel
+
+
+def series(rows: list[dict], workload: str, concurrency: int, key: str,
+           scale: float = 1.0) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if r["workload"] == workload and r["concurrency"] == concurrency and r.get(key) is not None:
-            out.setdefault(r["config"], []).append((r["input_len"], r[key]))
+            out.setdefault(r["config"], []).append((r["input_len"], r[key] * scale))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -46,12 +51,12 @@ def main() -> None:
     fig, axes = plt.subplots(len(workloads), 4, figsize=(18, 3.8 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):
         panels = ((series(rows, workload, args.concurrency, "mean_itl_ms"), "decode ms per token (mean ITL)"),
-                  (series(rows, workload, args.concurrency, "mean_ttft_ms"), "TTFT (ms)"),
+                  (series(rows, workload, args.concurrency, "mean_ttft_ms", 1e-3), "mean TTFT (s)"),
                   (series(rows, workload, args.concurrency, "output_throughput"), "output tokens / s"),
                   (speedups(rows, workload, args.concurrency), "decode speedup vs torch_native"))
         for ax, (lines, label) in zip(axes[i], panels):
             for name, points in lines.items():
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, color=COLOURS[name])
             ax.set_xscale("log", base=2)
             ax.set_xlabel("input tokens")
             ax.set_ylabel(label)
