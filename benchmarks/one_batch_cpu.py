@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_32K_ARGS
+from louver_sgl.eval.server import YARN_32K_ARGS, YARN_CONTEXT
 
 KEYS = {"prefill_latency": "prefill_s", "prefill_throughput": "prefill_tok_s",
         "median_decode_latency": "decode_median_s", "median_decode_throughput": "decode_tok_s",
@@ -64,12 +64,14 @@ def one_batch(model: Path, name: str, input_lens: list[int], output_len: int, lo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
-    parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32768])
+    parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32640])
     parser.add_argument("--warmup-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     parser.add_argument("--log-dir", default=None, help="keep one_batch's output here (default: a temp dir)")
     args = parser.parse_args()
+    if max(args.input_lens) + args.output_len > YARN_CONTEXT:  # past the model's context
+        parser.error(f"--input-lens plus --output-len must fit the {YARN_CONTEXT}-token YaRN context")
     if args.warmup_len >= min(args.input_lens):
         parser.error("--warmup-len must be shorter than every --input-lens")
     out = Path(args.out)

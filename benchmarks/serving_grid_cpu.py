@@ -11,7 +11,7 @@ finish and a rerun skips the rows already there, so a long grid can be run in pi
 ``--configs budget-0.05-native-extend`` adds a TTFT control: louver's decode over SGLang's own
 ``torch_native`` extend, so its TTFT compares like for like with ``torch_native``'s.
 
-    python -m benchmarks.serving_grid_cpu --input-lens 8192 16384 32768 --concurrency 1 4 \\
+    python -m benchmarks.serving_grid_cpu --input-lens 8192 16384 32640 --concurrency 1 4 \\
         --out benchmarks/results/serving_cpu.json
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_32K_ARGS, free_port, generate, sglang_server
+from louver_sgl.eval.server import YARN_32K_ARGS, YARN_CONTEXT, free_port, generate, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -144,7 +144,7 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
-    parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32768])
+    parser.add_argument("--input-lens", nargs="+", type=int, default=[8192, 16384, 32640])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--workloads", nargs="+", default=["random", "shared-prefix"])
     parser.add_argument("--output-len", type=int, default=64)
@@ -153,6 +153,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     parser.add_argument("--log-dir", default="/tmp/serving-grid-logs", help="server and bench_serving logs")
     args = parser.parse_args()
+    if max(args.input_lens) + args.output_len > YARN_CONTEXT:  # the server would refuse the request
+        parser.error(f"--input-lens plus --output-len must fit the {YARN_CONTEXT}-token YaRN context")
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
     data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32")

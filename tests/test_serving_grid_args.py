@@ -87,3 +87,18 @@ def test_every_configuration_environment_is_a_valid_louver_option_set():
         load_options(env)  # parses and validates every value
     config, serving = load_options(CONFIGS["budget-0.05-native-extend"][2])
     assert serving.extend_backend == "torch_native" and config.budget == 0.05
+
+
+@pytest.mark.parametrize("module", ["benchmarks.serving_grid_cpu", "benchmarks.one_batch_cpu"])
+def test_lengths_past_the_context_are_refused_before_any_run(module, monkeypatch, capsys):
+    """32,768 input tokens plus 64 output do not fit the 32K context: an error at once, not an
+    hour later from the server."""
+    import importlib
+    import sys
+
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, "ensure_model", lambda: pytest.fail("the model was fetched before the check"))
+    monkeypatch.setattr(sys, "argv", [module, "--input-lens", "8192", "32768", "--output-len", "64"])
+    with pytest.raises(SystemExit):
+        mod.main()
+    assert "YaRN context" in capsys.readouterr().err

@@ -16,8 +16,9 @@ from pathlib import Path
 
 # SmolLM2's 8K context stretched to 32K by YaRN, as scripts/run.sh serves it (SGLang reads the
 # context length from max_position_embeddings)
+YARN_CONTEXT = 32768
 YARN_32K_ARGS = ["--json-model-override-args", json.dumps({
-    "max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+    "max_position_embeddings": YARN_CONTEXT, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                           "original_max_position_embeddings": 8192,
                                                           "rope_theta": 100000.0}})]
 
