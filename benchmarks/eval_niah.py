@@ -22,7 +22,7 @@ from louver_sgl.data.texts import load_text
 from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
 from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
                                   found, found_all)
-from louver_sgl.eval.server import YARN_32K_ARGS, free_port, generate, sglang_server
+from louver_sgl.eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, free_port, generate, sglang_server
 
 DENSE = "torch_native"
 CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05", "certified-1e-4", "budget-0.2"]
@@ -85,9 +85,8 @@ def run_config(config: str, prompts: dict, model: Path, cache_dir: Path, dtype: 
 
     backend, env = server_setup(config)
     (cache_dir / config).mkdir(parents=True, exist_ok=True)
-    # past 8K: the context stretched, and the scheduler watchdog (300 s) raised above the longest
-    # torch_native extend chunk (seq x seq; one chunk at 32K takes longer than 300 s here)
-    extra = ["--dtype", dtype, *(YARN_32K_ARGS + ["--watchdog-timeout", "3600"] if yarn else [])]
+    # past 8K: the context stretched, and a watchdog above the longest dense extend chunk
+    extra = ["--dtype", dtype, *(YARN_32K_ARGS + LONG_PREFILL_ARGS if yarn else [])]
     with sglang_server(model, backend, free_port(), env, extra=extra, timeout=900,
                        log_path=cache_dir / config / "server.log") as url:
         return {pid: cached_cell(paths[pid], lambda k=kind, p=prompt: ask(url, k, p))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_32K_ARGS, YARN_CONTEXT
+from louver_sgl.eval.server import YARN_CONTEXT, long_context_args
 
 KEYS = {"prefill_latency": "prefill_s", "prefill_throughput": "prefill_tok_s",
         "median_decode_latency": "decode_median_s", "median_decode_throughput": "decode_tok_s",
@@ -39,9 +39,7 @@ def one_batch(model: Path, name: str, input_lens: list[int], output_len: int, lo
     cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--dtype", "float32", "--attention-backend", backend, "--batch-size", "1",
            "--input-len", *map(str, input_lens), "--output-len", str(output_len),
-           "--max-total-tokens", str(longest + output_len + 1024)]
-    if longest + output_len > 8192:
-        cmd += YARN_32K_ARGS
+           "--max-total-tokens", str(longest + output_len + 1024), *long_context_args(longest + output_len)]
     with tempfile.TemporaryDirectory() as tmp:  # one_batch appends to its result file: a fresh one
         result_file = Path(tmp) / "one_batch.jsonl"
         cmd += ["--result-filename", str(result_file)]

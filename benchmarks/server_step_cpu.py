@@ -26,15 +26,15 @@ from pathlib import Path
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
 from louver_sgl.data.texts import load_text
-from louver_sgl.eval.server import YARN_32K_ARGS, free_port, sglang_server
+from louver_sgl.eval.server import free_port, long_context_args, sglang_server
 
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_GRID_BITS": "4", "LOUVER_PAGE_SIZE": "128", "LOUVER_POLICY": "budget",
        "LOUVER_BUDGET": "0.05", "LOUVER_MIN_SPARSE_TOKENS": "0", "LOUVER_STEP_TIMING": "1"}
 ARGS = ["--dtype", "float32", "--max-total-tokens", "40000"]
 
 
-def server_args(prompt_tokens: int) -> list[str]:
-    return ARGS + (YARN_32K_ARGS if prompt_tokens > 8000 else [])
+def server_args(prompt_tokens: int, new_tokens: int) -> list[str]:
+    return ARGS + long_context_args(prompt_tokens + new_tokens)
 
 
 def streamed(url: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -59,7 +59,8 @@ def run_variant(ids: list[int], new_tokens: int, variant: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
         env = {**ENV, **variant_env, "LOUVER_STATS_FILE": str(stats)}
-        with sglang_server(ensure_model(), "louver", free_port(), env, server_args(len(ids)) + extra, timeout=600,
+        args = server_args(len(ids), new_tokens) + extra
+        with sglang_server(ensure_model(), "louver", free_port(), env, args, timeout=600,
                            log_path=Path(tmp) / "server.log") as url:
             ttft, tpot = streamed(url, ids, new_tokens)
             time.sleep(1.0)
@@ -90,7 +91,7 @@ def main() -> None:
         rows.append(run_variant(ids, args.new_tokens, v.split()))
         print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({
-        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": server_args(len(ids)),
+        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": server_args(len(ids), args.new_tokens),
         "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "rows": rows,
         "command": f"python -m benchmarks.server_step_cpu --tokens {args.tokens} --new-tokens {args.new_tokens} "
                    + " ".join(f"--variant '{v}'" for v in variants) + f" --out {args.out}"}, indent=1))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_32K_ARGS, YARN_CONTEXT, free_port, generate, sglang_server
+from louver_sgl.eval.server import YARN_CONTEXT, free_port, generate, long_context_args, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -112,12 +112,8 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
     if not todo:
         return
     longest = max(n for _, n, _ in todo)
-    # SGLang's torch_native extend is seq x seq per chunk: at 32K one chunk's forward takes longer
-    # than the scheduler watchdog's default 300 s, which then kills the server
     extra = ["--dtype", "float32", "--max-total-tokens", str(max(4 * longest + 4096, 40000)),
-             "--watchdog-timeout", "3600"]
-    if longest + output_len > 8192:
-        extra += YARN_32K_ARGS
+             *long_context_args(longest + output_len)]
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(log_dir) / name
         logs.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,19 @@ YARN_32K_ARGS = ["--json-model-override-args", json.dumps({
     "max_position_embeddings": YARN_CONTEXT, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                           "original_max_position_embeddings": 8192,
                                                           "rope_theta": 100000.0}})]
+NATIVE_CONTEXT = 8192  # SmolLM2's own context
+# SGLang's torch_native extend is seq x seq per chunk: at 32K one chunk takes longer than the
+# scheduler watchdog's default 300 s, which then kills the server
+LONG_PREFILL_ARGS = ["--watchdog-timeout", "3600"]
+
+
+def long_context_args(tokens: int) -> list[str]:
+    """Server flags for requests of up to ``tokens`` tokens (prompt plus output): none within the
+    model's own 8K context; past it, the YaRN stretch to 32K and a watchdog above the longest
+    dense extend chunk. ValueError past the 32K YaRN context (the server would refuse them)."""
+    if tokens > YARN_CONTEXT:
+        raise ValueError(f"{tokens} tokens do not fit the {YARN_CONTEXT}-token YaRN context")
+    return YARN_32K_ARGS + LONG_PREFILL_ARGS if tokens > NATIVE_CONTEXT else []
 
 
 def free_port() -> int:
