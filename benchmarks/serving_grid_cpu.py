@@ -22,7 +22,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
@@ -130,7 +130,10 @@ def run_config(name: str, cells: list[tuple[str, int, int]], model: Path, output
                 after = read_pages(stats)
                 row = {"config": name, "backend": backend, "policy": policy, "workload": workload,
                        "input_len": input_len, "concurrency": concurrency, "output_len": output_len,
-                       "num_prompts": prompts, "prompt_as_token_ids": True, **result}
+                       "num_prompts": prompts, "prompt_as_token_ids": True,
+                       # this machine's speed differs between sessions: ratios only between rows
+                       # measured close together
+                       "measured_at": datetime.now(timezone.utc).isoformat(timespec="minutes"), **result}
                 if backend == "louver":
                     row.update(index_pages_built=after[0] - before[0], index_pages_reused=after[1] - before[1])
                 save(row)
@@ -148,6 +151,8 @@ def main() -> None:
                         help="prompts per row (default max(2, concurrency))")
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     parser.add_argument("--log-dir", default="/tmp/serving-grid-logs", help="server and bench_serving logs")
+    parser.add_argument("--rerun", action="store_true",
+                        help="measure rows again that the results file already holds (replacing them)")
     args = parser.parse_args()
     if max(args.input_lens) + args.output_len > YARN_CONTEXT:  # the server would refuse the request
         parser.error(f"--input-lens plus --output-len must fit the {YARN_CONTEXT}-token YaRN context")
@@ -157,10 +162,10 @@ def main() -> None:
     # the grid is run in pieces: every invocation that added rows is kept
     commands = data.setdefault("commands", [data.pop("command")] if "command" in data else [])
     commands.append("python -m benchmarks.serving_grid_cpu " + " ".join(sys.argv[1:]))
-    done = {row_key(r) for r in data["rows"]}
+    done = set() if args.rerun else {row_key(r) for r in data["rows"]}
 
     def save(row: dict) -> None:
-        data["rows"].append(row)
+        data["rows"] = [r for r in data["rows"] if row_key(r) != row_key(row)] + [row]
         out.write_text(json.dumps(data, indent=1))
 
     cells = [(w, n, c) for n in args.input_lens for c in args.concurrency for w in args.workloads]

@@ -114,3 +114,32 @@ def test_long_context_args_only_past_the_native_context():
     assert long_context_args(32768) == YARN_32K_ARGS + LONG_PREFILL_ARGS
     with pytest.raises(ValueError, match="YaRN context"):
         long_context_args(32769)
+
+
+@pytest.mark.parametrize("rerun", [False, True])
+def test_rerun_replaces_a_row_instead_of_skipping_it(rerun, tmp_path, monkeypatch):
+    """Without --rerun a row the file holds is skipped; with it the new measurement replaces the
+    old row (one row per key, never two)."""
+    import sys
+
+    from benchmarks import serving_grid_cpu as grid
+
+    out = tmp_path / "rows.json"
+    old = {"config": "torch_native", "workload": "random", "input_len": 8192, "concurrency": 1, "mean_itl_ms": 1.0}
+    out.write_text(json.dumps({"rows": [old]}))
+    calls = []
+
+    def fake_run_config(name, cells, model, output_len, num_prompts, done, save, log_dir):
+        calls.append(done)
+        if (name, *cells[0]) not in done:
+            save({**old, "mean_itl_ms": 2.0})
+
+    monkeypatch.setattr(grid, "run_config", fake_run_config)
+    monkeypatch.setattr(grid, "ensure_model", lambda: tmp_path)
+    argv = ["grid", "--configs", "torch_native", "--input-lens", "8192", "--concurrency", "1",
+            "--workloads", "random", "--out", str(out)] + (["--rerun"] if rerun else [])
+    monkeypatch.setattr(sys, "argv", argv)
+    grid.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert len(calls) == 1 and len(rows) == 1
+    assert rows[0]["mean_itl_ms"] == (2.0 if rerun else 1.0)
