@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_CONTEXT, long_context_args
+from louver_sgl.eval.server import long_context_args
 
 KEYS = {"prefill_latency": "prefill_s", "prefill_throughput": "prefill_tok_s",
         "median_decode_latency": "decode_median_s", "median_decode_throughput": "decode_tok_s",
@@ -68,8 +68,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
     parser.add_argument("--log-dir", default=None, help="keep one_batch's output here (default: a temp dir)")
     args = parser.parse_args()
-    if max(args.input_lens) + args.output_len > YARN_CONTEXT:  # past the model's context
-        parser.error(f"--input-lens plus --output-len must fit the {YARN_CONTEXT}-token YaRN context")
+    try:  # the same rule the server flags come from, checked before any model fetch or run
+        long_context_args(max(args.input_lens) + args.output_len)
+    except ValueError as err:
+        parser.error(f"--input-lens plus --output-len: {err}")
     if args.warmup_len >= min(args.input_lens):
         parser.error("--warmup-len must be shorter than every --input-lens")
     out = Path(args.out)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import YARN_CONTEXT, free_port, generate, long_context_args, sglang_server
+from louver_sgl.eval.server import free_port, generate, long_context_args, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -156,8 +156,10 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true",
                         help="measure rows again that the results file already holds (replacing them)")
     args = parser.parse_args()
-    if max(args.input_lens) + args.output_len > YARN_CONTEXT:  # the server would refuse the request
-        parser.error(f"--input-lens plus --output-len must fit the {YARN_CONTEXT}-token YaRN context")
+    try:  # the same rule the server flags come from, checked before any model fetch or run
+        long_context_args(max(args.input_lens) + args.output_len)
+    except ValueError as err:
+        parser.error(f"--input-lens plus --output-len: {err}")
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
     data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32")
