@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=30000)
     parser.add_argument("--chunk", type=int, default=4096, help="SGLang's chunked prefill size")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=64, help="the shipped fp32 CPU profile's page size")
     parser.add_argument("--grid-bits", type=int, default=4)
     parser.add_argument("--ttft-from", default="benchmarks/results/server_step_cpu_30k.json")
     parser.add_argument("--out", default="benchmarks/results/prefill_build_cpu.json")
@@ -56,7 +57,7 @@ def main() -> None:
               "page_size": args.page_size, "grid_bits": args.grid_bits, "build_s": seconds,
               "build_ms_per_layer": 1e3 * seconds / args.layers, "ttft_s": ttft, "ttft_from": args.ttft_from,
               "build_fraction_of_ttft": seconds / ttft,
-              "command": f"python -m benchmarks.prefill_build_cpu --tokens {args.tokens} --out {args.out}"}
+              "command": "python -m benchmarks.prefill_build_cpu " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
