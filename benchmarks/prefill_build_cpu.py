@@ -23,6 +23,10 @@ import torch
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.config import LouverConfig
 from louver_sgl.index.store import PageIndexStore
+from louver_sgl.profiles import SHIPPED_DIR, Profile
+
+# The index options the CPU server runs with in fp32 (the serving benchmarks' KV dtype).
+SERVED_PROFILE = SHIPPED_DIR / "cpu_amd_epyc_avx2.float32.json"
 
 
 def build_seconds(config: LouverConfig, tokens: int, chunk: int, layers: int, kv_heads: int, dim: int) -> float:
@@ -40,12 +44,13 @@ def build_seconds(config: LouverConfig, tokens: int, chunk: int, layers: int, kv
 
 
 def main() -> None:
+    served = Profile.load(SERVED_PROFILE).config
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=30000)
     parser.add_argument("--chunk", type=int, default=4096, help="SGLang's chunked prefill size")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--page-size", type=int, default=64, help="the shipped fp32 CPU profile's page size")
-    parser.add_argument("--grid-bits", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=served["page_size"], help=f"default: {SERVED_PROFILE.name}'s")
+    parser.add_argument("--grid-bits", type=int, default=served["grid_bits"], help=f"default: {SERVED_PROFILE.name}'s")
     parser.add_argument("--ttft-from", default="benchmarks/results/server_step_cpu_30k.json")
     parser.add_argument("--out", default="benchmarks/results/prefill_build_cpu.json")
     args = parser.parse_args()
