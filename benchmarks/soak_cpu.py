@@ -27,7 +27,9 @@ from louver_sgl.data.texts import load_text
 from louver_sgl.eval.churn import ChurnPlan, run_churn
 from louver_sgl.eval.server import sglang_server
 
-ENV = {"LOUVER_PROFILE": "none", "LOUVER_PAGE_SIZE": "16", "LOUVER_MIN_SPARSE_TOKENS": "0"}
+# the dense fallback off: every decode step reads its pages through the index
+ENV = {"LOUVER_PROFILE": "none", "LOUVER_PAGE_SIZE": "16", "LOUVER_MIN_SPARSE_TOKENS": "0",
+       "LOUVER_DENSE_FALLBACK_FRACTION": "1.0"}
 ARGS = ["--dtype", "float32", "--max-total-tokens", "6000", "--max-running-requests", "8"]
 
 

@@ -76,15 +76,37 @@ def load_cpu_ops(cache_dir: Path = DEFAULT_CACHE):
     )
 
 
+# why the kernels did not build, by cache directory (the compiler's message where it ran)
+_BUILD_ERRORS: dict[Path, str] = {}
+
+
 @functools.cache
 def cpu_ops_available(cache_dir: Path = DEFAULT_CACHE, disabled: bool = False) -> bool:
     """True when the CPU kernels compile and load here (False, logged once, otherwise);
     ``disabled``: never build them."""
     if disabled:
+        _BUILD_ERRORS[Path(cache_dir)] = "disabled by LOUVER_DISABLE_CPU_KERNELS"
         return False
     try:
         load_cpu_ops(cache_dir)
         return True
     except Exception as exc:  # a missing compiler must not break the torch path
         logger.warning("louver CPU kernels unavailable, using the torch path: %s", exc)
+        _BUILD_ERRORS[Path(cache_dir)] = _build_message(exc)
         return False
+
+
+def cpu_ops_build_error(cache_dir: Path = DEFAULT_CACHE) -> str | None:
+    """Why the kernels did not build or load into ``cache_dir`` (None if they did or were not tried)."""
+    return _BUILD_ERRORS.get(Path(cache_dir))
+
+
+def _build_message(exc: Exception) -> str:
+    """The exception and, for a failed compile, the compiler's output it carries (its tail)."""
+    text = f"{type(exc).__name__}: {exc}"
+    output = getattr(exc, "output", None) or getattr(exc.__cause__, "output", None)
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    if output and output.strip()[-200:] not in text:  # torch's message usually carries it already
+        text += "\n" + output[-4000:]
+    return text[-6000:]

@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=.venv/bin/python
+PY=${LOUVER_VENV:-.venv}/bin/python
+export HF_HUB_OFFLINE=1
 LOCK=()
 command -v flock >/dev/null && LOCK=(flock /tmp/louver-heavy.lock)
 if [ "${1:-}" = "--small" ]; then

@@ -15,6 +15,42 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# On CI (CI=true) a piece that should build here and does not fails the run instead of skipping
+ON_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(reason: str, module: bool = False) -> None:
+    """Skip the test (``module``: the whole module) naming ``reason`` (shown by ``-rs``); on CI
+    fail it instead, so that a broken build cannot pass as a skip."""
+    if ON_CI:
+        pytest.fail(f"{reason} (on CI this fails the run)", pytrace=False)
+    pytest.skip(reason, allow_module_level=module)
+
+
+def implementations_here(device: str = "cpu") -> list[str]:
+    """The decode implementations that run on ``device`` here; on CI every registered one must
+    (the compiled CPU kernels and, under ``TRITON_INTERPRET=1``, both Triton ones): one that does
+    not fails the collection with its reason (for ``cpu`` the compiler's message)."""
+    from louver_sgl.decode.api import _unavailable, implementation_names
+
+    names, missing = [], []
+    for name in implementation_names():
+        why = _unavailable(name, torch.device(device))
+        (names if why is None else missing).append(name if why is None else f"{name}: {why}")
+    if ON_CI and missing:
+        raise RuntimeError("decode implementations that do not run here: " + "; ".join(missing))
+    return names
+
+
+def needs_impl(name: str) -> None:
+    """Skip (on CI: fail) a test of implementation ``name`` where it does not run here."""
+    from louver_sgl.decode.api import _unavailable
+
+    why = _unavailable(name, torch.device("cpu"))
+    if why is not None:
+        skip_or_fail(f"decode implementation {name!r} unavailable: {why}")
+
+
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)
 settings.register_profile("thorough", deadline=None, max_examples=3000, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

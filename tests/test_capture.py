@@ -19,9 +19,11 @@ MODEL_DIR = ROOT / "models" / "smollm2-135m"
 TEXT_DIR = ROOT / "data" / "texts"
 LENGTH, NUM_QUERIES, CHUNK, LAYERS = 256, 16, 64, [0, 3, 27]
 
+from conftest import skip_or_fail  # noqa: E402
+
 if not (MODEL_DIR / "model.safetensors").is_file() or not (TEXT_DIR / "bible.txt").is_file():
-    pytest.skip("models/smollm2-135m or data/texts/bible.txt absent (run louver_sgl.data.fetch_model "
-                "and louver_sgl.data.texts)", allow_module_level=True)
+    skip_or_fail("models/smollm2-135m or data/texts/bible.txt absent (run louver_sgl.data.fetch_model "
+                 "and louver_sgl.data.texts)", module=True)
 
 from louver_sgl.data.capture import capture_trace, first_tokens, load_trace  # noqa: E402
 from louver_sgl.data.texts import load_text  # noqa: E402

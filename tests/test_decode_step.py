@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from conftest import compiled_attended, make_paged
+from conftest import compiled_attended, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode import dense_attention, louver_decode
+from louver_sgl.decode import LouverDecode, dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
 from louver_sgl.decode.contract import gates_values
 
@@ -32,6 +32,12 @@ def _dense_rows(q, k, v, table, seq_lens, sigma, size):
         slots = table[b, pos // size] * size + pos % size
         rows.append(dense_attention(q[b], k[slots], v[slots], sigma))
     return torch.stack(rows)
+
+
+def _own_step(q, k, v, table, lens, store, sigma, impl, config=None, launch=None):
+    """(out, stats, attended masks) of one step, the masks being the implementation's own set."""
+    decode = LouverDecode(config or store.config, "cpu", impl=impl, launch=launch).plan(table, lens)
+    return decode.run(q, k, v, store, sigma, attended=True)
 
 
 def _masked_dense(q, k, v, table, seq_lens, sigma, size, attended):
@@ -75,12 +81,15 @@ def test_fast_path_matches_reference(family, impl, policy, value_gate):
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 3})
+    launch = {"chunk_pages": 3} if impl == "cpu" else None
+    out, stats, attended = _own_step(q, k, v, table, lens, store, sigma, impl, launch=launch)
     ref, info = reference_decode(q, k, v, table, lens, store, sigma)
     if impl == "cpu" and policy == "certified":
         # T is counted from the int8 token bounds the kernel gates with (test_cpu_ops checks the
-        # choice); here: the attended set is what those bounds keep at T, attended exactly
-        attended = compiled_attended(q, k, table, lens, store, stats.threshold)
+        # choice); here: the set the kernel attended is exactly what those bounds keep at T (their
+        # torch specification), its counts are that set's, and the output is attention over it
+        spec = compiled_attended(q, k, table, lens, store, stats.threshold)
+        assert all(torch.equal(a, w) for a, w in zip(attended, spec)), "attended set differs from its specification"
         counts = torch.stack([m.sum(1) for m in attended]) - (lens - stats.num_indexed)[:, None]
         assert torch.equal(counts, stats.candidates) and bool(torch.isfinite(stats.threshold).any())
         want = _masked_dense(q, k, v, table, lens, sigma, 16, attended)
@@ -95,11 +104,16 @@ def test_fast_path_matches_reference(family, impl, policy, value_gate):
         # int8 token bounds are looser: a superset of the reference's candidates is attended,
         # and every extra key scores below T (its weight is within the certified bound)
         assert bool((stats.candidates >= ref_count).all())
+        spec = compiled_attended(q, k, table, lens, store, stats.threshold)
+        assert all(torch.equal(a, w) for a, w in zip(attended, spec)), "attended set differs from its specification"
+        assert all(bool((i["attended"] <= a).all()) for a, i in zip(attended, info)), "a reference key not attended"
         bound = stats.mass_bound.max().item()
         torch.testing.assert_close(out, ref, atol=2e-5 + 4 * bound * v.abs().max().item(), rtol=1e-5)
     else:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         assert bool((stats.candidates == ref_count).all())
+        # gated or exact bounds: the implementation attended the reference's set itself
+        assert all(torch.equal(a, i["attended"]) for a, i in zip(attended, info)), "attended set differs"
 
 
 @pytest.mark.parametrize("page_size,dim,groups,bits", [(8, 64, 3, 8), (32, 128, 2, 8), (64, 64, 8, 8), (16, 96, 3, 8),
@@ -154,18 +168,6 @@ def test_output_equals_dense_restricted_to_candidates(family, policy):
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
-def _attended(q, k, v, table, lens, store, sigma, impl, stats):
-    """The attended masks of a step without value gate: the reference's for the torch path, for
-    the compiled one the keys its int8 token bounds keep at its own T (which its certificate,
-    counted from the same bounds, covers); checked against the step's candidate counts."""
-    if impl != "cpu":
-        return [i["attended"] for i in reference_decode(q, k, v, table, lens, store, sigma)[1]]
-    masks = compiled_attended(q, k, table, lens, store, stats.threshold)
-    counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
-    assert torch.equal(counts, stats.candidates)
-    return masks
-
-
 @pytest.mark.parametrize("family,impl", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -175,8 +177,10 @@ def test_certified_bound_holds(family, impl, eps, dtype):
                        dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=5)
     sigma = 3 / math.sqrt(64)  # sharper softmax: more pruning happens
-    out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 5})
-    attended = _attended(q, k, v, table, lens, store, sigma, impl, stats)
+    launch = {"chunk_pages": 5} if impl == "cpu" else None
+    out, stats, attended = _own_step(q, k, v, table, lens, store, sigma, impl, launch=launch)
+    counts = torch.stack([m.sum(1) for m in attended]) - (lens - stats.num_indexed)[:, None]
+    assert torch.equal(counts, stats.candidates), "counts differ from the attended set"
     dense = _dense_rows(q, k, v, table, lens, sigma, 16)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
@@ -202,15 +206,15 @@ def test_reported_bound_covers_dropped_mass_of_every_policy(impl, policy, dtype)
                        value_gate=True, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=7)
     sigma = 3 / math.sqrt(64)
-    _, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl, launch={"chunk_pages": 4})
-    _, info = reference_decode(q, k, v, table, lens, store, sigma)
+    _, stats, attended = _own_step(q, k, v, table, lens, store, sigma, impl, launch={"chunk_pages": 4}
+                                   if impl == "cpu" else None)
     pruned = 0
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         slots = table[b, pos // 16] * 16 + pos % 16
         s = sigma * torch.einsum("hd,lhd->hl", q[b].double(), k[slots].double().repeat_interleave(3, 1))
-        dropped = (torch.softmax(s, dim=1) * ~info[b]["attended"]).sum(1)
-        pruned += int((~info[b]["attended"]).sum())
+        dropped = (torch.softmax(s, dim=1) * ~attended[b]).sum(1)  # the step's own set
+        pruned += int((~attended[b]).sum())
         assert bool((dropped <= stats.mass_bound[b] + 1e-12).all()), (b, dropped, stats.mass_bound[b])
     assert pruned > 0  # the check is not vacuous
 
@@ -285,10 +289,7 @@ def test_compiled_layer_steps_are_reused_only_for_the_same_layer():
     """Later steps of a layer on one plan reuse the layer's compiled side (kept by the wrapper):
     same output and statistics as the first step, the caller's out buffer and q's dtype honoured;
     another layer's KV caches get their own compiled side."""
-    from louver_sgl.decode import LouverDecode, available_implementations
-
-    if "cpu" not in available_implementations("cpu"):
-        pytest.skip("compiled CPU kernels unavailable")
+    needs_impl("cpu")
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32, grid_bits=4)
     q, k, v, table, lens, store = _setup(cfg)
     decode = LouverDecode(cfg, impl="cpu").plan(table, lens)
@@ -313,10 +314,7 @@ def test_compiled_layer_steps_are_reused_only_for_the_same_layer():
 def test_one_plan_serves_every_layer_and_a_wrong_batch_is_rejected(impl):
     """A plan made once (as the backend does per forward) gives the one-call step's output; a
     query batch that does not fit the plan is refused, and so is a run before any plan."""
-    from louver_sgl.decode import LouverDecode, available_implementations
-
-    if impl not in available_implementations("cpu"):
-        pytest.skip(f"{impl} unavailable")
+    needs_impl(impl)
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32)
     q, k, v, table, lens, store = _setup(cfg)
     want, _ = louver_decode(q, k, v, table, lens, store, 0.125, impl=impl)

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from conftest import compiled_attended, make_paged
+from conftest import compiled_attended, implementations_here, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode import LouverDecode, available_implementations
+from louver_sgl.decode import LouverDecode
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.reference import reference_decode
 
@@ -76,24 +76,25 @@ def test_torch_step_equals_the_reference():
     assert bool((stats.mass_bound < config.eps).all())
 
 
-@pytest.mark.skipif("cpu" not in available_implementations("cpu"), reason="the compiled CPU kernels did not build")
 def test_compiled_step_takes_the_provisional_level():
     """The compiled step's T is the reference's provisional level (its exact part's ref and Z_lb
     match to rounding) and it certifies below eps in the one pass; its counters are those of the
     attended set its int8 bounds give at that T; the two-pass step on the same batch certifies too."""
+    needs_impl("cpu")
     config, q, k, v, table, lens, store = _case(seed=4)
     sigma = 1 / math.sqrt(64)
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     one = LouverDecode(config, "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
-    _, stats = one.run(q, k, v, store, sigma, stats=True)
+    _, stats, masks = one.run(q, k, v, store, sigma, attended=True)
     for b in range(len(LENS)):
         # the compiled exact part's Z_lb is its fp32-exp lower bound (kMassDown), a little below the
         # fp64 sum: T sits lower by ln(that factor)/σ, far inside this tolerance, while a wrong
         # term of the level (n, eps, the rounding factor) would move it by ln(2)/σ or more
         torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=0, atol=1e-3)
     assert bool((stats.mass_bound < config.eps).all())
-    masks = compiled_attended(q, k, table, lens, store, stats.threshold)
-    for b, mask in enumerate(masks):
+    spec = compiled_attended(q, k, table, lens, store, stats.threshold)
+    for b, mask in enumerate(masks):  # the set the kernel attended: its bounds' set at its own T
+        assert torch.equal(mask, spec[b]), f"request {b}: attended set differs from its specification"
         counted = mask.sum(1) - (int(lens[b]) - int(stats.num_indexed[b]))
         assert torch.equal(counted, stats.candidates[b]), "counts differ from the attended set"
     two = LouverDecode(config.with_(certified_passes=2), "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
@@ -101,7 +102,7 @@ def test_compiled_step_takes_the_provisional_level():
     assert bool((stats2.mass_bound < config.eps).all())
 
 
-@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in available_implementations("cpu")])
+@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in implementations_here("cpu")])
 def test_a_failed_check_takes_the_histogram_rule_for_that_request_only(impl):
     """A NaN in a dense key of request 0 makes Z_lb NaN for its KV group's heads, so their check
     fails: request 0 takes the histogram rule (its T and certificate equal the two-pass step's),

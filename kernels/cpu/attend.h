@@ -27,6 +27,10 @@ struct AttendArgs {
   float *m_out, *l_out, *o_out;
   int64_t* counts;
   double* mass;
+  // debug only (null on the serving path): the attended set [NP, P, H_q] u8, 1 where head h of the
+  // page row's request attended that token of the page (after the value gate); written by the
+  // runner that owns the (page row, KV head), so threads never share a byte
+  uint8_t* attended = nullptr;
 };
 
 // Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
@@ -59,10 +63,11 @@ struct ChunkRunner {
   std::vector<int32_t> idot, quads8;  // quads8: the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
-  std::vector<int64_t> drop_count, cand_slot, value_rows;
+  std::vector<int64_t> drop_count, cand_slot, value_rows, cand_pos;  // cand_pos: only with a.attended
   std::vector<char> keep_page;
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
+  int64_t page_row = 0;  // the page row open_page last saw
 
   ChunkRunner(const AttendArgs& args, const KV* kc_, const KV* vc_, const KV* lo_, const KV* sc_,
               const KV* rad_, int64_t chunk, int64_t kv_head)
@@ -76,7 +81,7 @@ struct ChunkRunner {
         weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
         wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
-        value_rows(cap), keep_page(args.groups), st(args.groups) {}
+        value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), st(args.groups) {}
 
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -100,6 +105,7 @@ struct ChunkRunner {
   // quantised and the page is open for scanning. Returns whether it is open.
   bool open_page(int64_t i) {
     const int64_t G = a.groups, D = a.dim, meta = (a.page_ids[i] * a.h_kv + k) * D;
+    page_row = i;
     load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
     page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
                off.data(), pb.data());
@@ -224,6 +230,7 @@ struct ChunkRunner {
   // L1 kKeyAhead rows ahead), so that the random row reads overlap instead of stalling one by one.
   // Into L1 here they competed with the codes for its few miss buffers (5-7 % slower cold steps).
   void add_candidate(int64_t slot) {
+    if (a.attended) cand_pos[n_cand] = page_row * a.page_size + slot - a.page_ids[page_row] * a.page_size;
     cand_slot[n_cand++] = slot;
     prefetch_bytes_l2(kc + (slot * a.h_kv + k) * a.dim, a.dim * static_cast<int64_t>(sizeof(KV)));
   }
@@ -447,6 +454,18 @@ struct ChunkRunner {
       for (uint32_t bits = need_bits[blk]; bits; bits &= bits - 1) value_rows[nv++] = 16 * blk + __builtin_ctz(bits);
     n_values += nv;
     accumulate_values(nv);
+    if (a.attended) record_attended();
+  }
+
+  // The debug attended set: every (candidate, head) whose attend bit the softmax above used.
+  void record_attended() const {
+    const int64_t G = a.groups, blocks = (n_cand + 15) / 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* ab = attend_bits.data() + g * (cap / 16);
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        for (uint32_t bits = ab[blk]; bits; bits &= bits - 1)
+          a.attended[cand_pos[16 * blk + __builtin_ctz(bits)] * a.h_q + k * G + g] = 1;
+    }
   }
 
   // acc[g] += weight[g][c]·V row of candidate c, over the nv candidates in value_rows (a head's

@@ -57,14 +57,16 @@ struct StepPlan {
 // pass first gates at the provisional level and certifies its own dropped mass, and only requests
 // whose check fails take that certified pass and a second attend pass). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
-// output in out (or a new tensor of q's dtype), in one call: at batch 1 each Python-level op or
+// output in out (or a new tensor of q's dtype), in one call (attended, debug only: a u8 [NP, P, H_q]
+// buffer the attend pass fills with the keys it attended, see AttendArgs::attended): at batch 1 each Python-level op or
 // argument of a step costs microseconds once a layer has swept the caches. Returns (out, packed
 // statistics, whether any request falls back to dense; the caller then replaces those requests'
 // rows, their sparse result is in out).
 struct LayerStep {
   explicit LayerStep(louver_cpu::Named& args);
   std::tuple<torch::Tensor, torch::Tensor, bool> run(const torch::Tensor& q, StepPlan& plan,
-                                                     std::optional<torch::Tensor> out) const;
+                                                     std::optional<torch::Tensor> out,
+                                                     std::optional<torch::Tensor> attended) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
   double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding;
   bool value_gate, one_pass;

@@ -216,7 +216,8 @@ LayerStep::LayerStep(Named& n)
 }
 
 std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tensor& q, StepPlan& p,
-                                                              std::optional<torch::Tensor> out) const {
+                                                              std::optional<torch::Tensor> out,
+                                                              std::optional<torch::Tensor> attended) const {
   const int64_t B = p.q32.size(0), H = p.q32.size(1), D = p.q32.size(2), DV = p.result.size(2);
   TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == H && q.size(2) == D,
                     "louver step: the plan is for queries [B, H_q, D] = [", B, ", ", H, ", ", D, "], got q ",
@@ -234,15 +235,22 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   });
   const ExactArgs e = exact_args(p.q32, k_cache, p.dense_slots, p.dense_req, p.sample_slots, p.sample_req, sigma,
                                  budget, p.s_dense, p.sample, p.ref, p.z, p.t);
-  const AttendArgs a = attend_args(p.q32, k_cache, v_cache, codes, p.page_ids, p.chunk_req, p.chunk_begin,
-                                   p.chunk_end, p.t, p.gate, p.ref, sigma, bits, page_size, p.m, p.l, p.o, p.counts,
-                                   p.mass);
+  AttendArgs a = attend_args(p.q32, k_cache, v_cache, codes, p.page_ids, p.chunk_req, p.chunk_begin, p.chunk_end,
+                             p.t, p.gate, p.ref, sigma, bits, page_size, p.m, p.l, p.o, p.counts, p.mass);
+  if (attended.has_value()) {
+    TORCH_CHECK_VALUE(attended->device().is_cpu() && attended->is_contiguous() &&
+                          attended->scalar_type() == at::kByte &&
+                          attended->numel() == p.page_ids.size(0) * page_size * H,
+                      "louver step: attended must be a contiguous uint8 CPU tensor [page rows, P, H_q]");
+    a.attended = attended->data_ptr<uint8_t>();
+  }
   const MergeArgs g = merge_args(p.s_dense, p.dense_slots, p.dense_req, v_cache, p.m2, p.l2, p.o2, p.chunk_req, sigma,
                                  p.result);
   const bool certified = eps_budget >= 0;
   bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
     const auto run = [&](int phases) {
+      if ((phases & kAttendMerge) && attended.has_value()) attended->zero_();  // the last attend pass's set
       run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
                  scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
                  static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), phases);

@@ -26,7 +26,8 @@ from ..index.store import PageIndexStore
 from ..settings import Environment
 from . import threshold as th
 from .contract import (
-    EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values,
+    EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, ExactPart, RequestLayout, StepStats, check_inputs,
+    gates_values,
 )
 from .plan import plan_decode
 from .segments import seg_sum
@@ -75,6 +76,7 @@ class CpuDecode(DecodeImplementation):
 
     name = "cpu"
     int8_token_bounds = True
+    returns_attended = True  # debug only: the attend pass writes the set it attended
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)
@@ -88,7 +90,12 @@ class CpuDecode(DecodeImplementation):
     def unavailable(cls, device: torch.device) -> str | None:
         if device.type != "cpu":
             return "it runs on CPU tensors"
-        return None if compiled_ops() is not None else "the compiled CPU kernels did not build or load (see the log)"
+        if compiled_ops() is not None:
+            return None
+        from louver_kernels.cpu_ops import cpu_ops_build_error
+
+        why = cpu_ops_build_error(Environment.read().kernel_cache_dir) or "see the log"
+        return f"the compiled CPU kernels did not build or load: {why}"
 
     @classmethod
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
@@ -110,8 +117,12 @@ class CpuDecode(DecodeImplementation):
         side = plan.derived.get(layer.plan_key)
         if side is None:
             side = self._plan_side(plan, q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
-        out, step_stats = layer.run(q, plan, side, out)
-        return out, step_stats, None
+        if not attended:
+            out, step_stats = layer.run(q, plan, side, out)
+            return out, step_stats, None
+        keep = torch.empty(len(plan.page_ids), plan.page_size, q.shape[1], dtype=torch.uint8)
+        out, step_stats = layer.run(q, plan, side, out, keep)
+        return out, step_stats, attended_masks(keep, plan, self.config)
 
     def _layer(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float) -> "CompiledLayer":
         """The layer side of a layer's first step (its inputs checked here; later steps only by the kernel)."""
@@ -191,14 +202,37 @@ def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, conf
         one_pass=certified and config.certified_passes == 1, **EDGES.kernel_args())
 
 
-def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor) -> None:
+def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor, plan: DecodePlan,
+                    keep: torch.Tensor | None) -> None:
     """Rows of ``out`` of the requests over the fallback fraction replaced by the dense policy's
     compiled step on the same plan (its buffers are free again once ``out`` and the statistics are
     written). The torch dense path gathered and widened every K and V row: a certified step at 32K
-    that falls back took 26 ms with it, 5.1 ms with this."""
-    dense_out, _, _ = dense_layer.run(q, cpu[2], None)
+    that falls back took 26 ms with it, 5.1 ms with this. With ``keep`` (the debug attended set)
+    those requests' page rows take the dense step's own set."""
+    dense_keep = None if keep is None else torch.empty_like(keep)
+    dense_out, _, _ = dense_layer.run(q, cpu[2], None, dense_keep)
     rows = stats.dense_fallback
     out[rows] = dense_out[rows]
+    if keep is not None:
+        fallen = rows.to(plan.page_req.device)[plan.page_req]
+        keep[fallen] = dense_keep[fallen]
+
+
+def attended_masks(keep: torch.Tensor, plan: DecodePlan, config: LouverConfig) -> list[torch.Tensor]:
+    """Per request, bool ``[H_q, L]`` from the compiled step's attended buffer ``[NP, P, H_q]``
+    u8 (page rows as in ``plan.page_ids``): the dense part (the layout's, attended exactly by the
+    exact part) and, over the indexed pages, what the attend pass itself marked."""
+    layout = RequestLayout.of(config)
+    size, heads = plan.page_size, keep.shape[2]
+    masks = []
+    for b, n in enumerate(plan.seq_lens.tolist()):
+        mask = torch.ones(heads, n, dtype=torch.bool)
+        indexed = layout.split(n)[1]
+        rows = keep[plan.page_req == b]  # [pages of b in order, P, H_q]
+        assert len(rows) == len(indexed), "the plan's page rows differ from the layout's indexed pages"
+        mask[:, indexed.start * size: indexed.stop * size] = rows.reshape(-1, heads).t().bool()
+        masks.append(mask)
+    return masks
 
 
 # Compiled layer sides one implementation keeps (each keeps its KV caches alive; a server has one
@@ -224,13 +258,14 @@ class CompiledLayer:
         # which must not be reused while the entry lives
         self.plan_key, self.k_cache, self.v_cache, self.store, self.sigma = plan_key, k_cache, v_cache, store, sigma
 
-    def run(self, q, plan: DecodePlan, cpu: tuple, out=None):
+    def run(self, q, plan: DecodePlan, cpu: tuple, out=None, keep: torch.Tensor | None = None):
         """One step: ``(out [B, H_q, D_v] in q's dtype, StepStats)``; ``cpu`` is
-        ``plan.derived[self.plan_key]``. Requests over the fallback fraction get dense attention."""
-        out, packed, any_fallback = self.layer.run(q, cpu[2], out)
+        ``plan.derived[self.plan_key]``. Requests over the fallback fraction get dense attention.
+        ``keep`` (debug only): a u8 ``[NP, P, H_q]`` buffer the step fills with its attended set."""
+        out, packed, any_fallback = self.layer.run(q, cpu[2], out, keep)
         stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
         if any_fallback:
-            _dense_fallback(self.dense_layer, q, cpu, stats, out)
+            _dense_fallback(self.dense_layer, q, cpu, stats, out, plan, keep)
         return out, stats
 
 

@@ -71,6 +71,8 @@ class LouverAttnBackend(AttentionBackend):
         interval = serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         self.telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)),
                                    Environment.read().stats_file, config.page_size)
+        self.telemetry.index_allocated = self.index.allocated
+        self.telemetry.profile = self.selection.message
         if serving.huge_pages:
             self._pool_on_huge_pages()
         self._planned_for = None  # (forward_batch, seq_lens, page table) the CPU wrapper is planned for

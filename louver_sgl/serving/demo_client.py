@@ -122,7 +122,11 @@ def main() -> None:
     parser.add_argument("--stats", required=True, type=Path, help="the server's LOUVER_STATS_FILE")
     parser.add_argument("--tokens", type=int, default=16000, help="haystack tokens of the long request")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--report", type=Path, default=None,
+                        help="also write both requests' accounts, answers and times as JSON to this file")
     args = parser.parse_args()
+    if args.tokens < 1 or args.max_new_tokens < 1:
+        parser.error("--tokens and --max-new-tokens must be positive")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
@@ -141,6 +145,10 @@ def main() -> None:
     print(f"  answer: {answer2.strip()!r}")
     print_account(acct2, ttft2, total2, args.max_new_tokens)
     print(f"  time to first token: {100 * ttft2 / ttft:.0f}% of the first request's")
+    if args.report is not None:
+        requests = [{"prompt_tokens": n, "answer": a, "ttft_s": t, "total_s": tt, "account": acc}
+                    for a, t, tt, acc in ((answer, ttft, total, acct), (answer2, ttft2, total2, acct2))]
+        args.report.write_text(json.dumps({"page_size": page_size, "requests": requests}, indent=1))
 
 
 if __name__ == "__main__":

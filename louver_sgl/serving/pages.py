@@ -64,6 +64,17 @@ class ServingIndex:
                 self.pages_rebuilt_on_read += int(missing.numel())
             self.build(layer_id, missing)
 
+    def allocated(self) -> dict:
+        """What the index really holds now: the layers with a store, the bytes of their tensors'
+        storages (as allocated, not as the layout implies) and the KV slots one layer covers."""
+        storages: dict[int, int] = {}
+        for store in self.stores.values():
+            for t in store.tensors.values():
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        slots = int(self.pool.get_key_buffer(self.first_layer).shape[0])
+        return {"layers": len(self.stores), "kv_slots": slots, "bytes": int(sum(storages.values()))}
+
     def log_memory_estimate(self) -> None:
         """Log the index memory of every layer against the KV pool's."""
         pool = self.pool

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -118,6 +119,9 @@ class Telemetry:
     # rid -> pages of that request's prompt already counted (reused or built) by its earlier
     # prefill chunks: their pages are the request's own, not reuse; dropped at its first decode
     prefill_counted: OrderedDict = field(default_factory=OrderedDict)
+    # () -> the index's allocation (``ServingIndex.allocated``), written to the statistics file
+    index_allocated: Callable[[], dict] | None = None
+    profile: str | None = None  # the startup line saying which tuned profile applied and why
     _metrics: dict | None = None
 
     def record_step(self, stats, rids: list[str] | None = None) -> None:
@@ -209,6 +213,10 @@ class Telemetry:
                 "pages_built": self.pages_built,
                 "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read, **self.timing,
                 "requests": {rid: acc.as_dict() for rid, acc in self.requests.items()}}
+        if self.index_allocated is not None:
+            data["index_allocated"] = self.index_allocated()
+        if self.profile is not None:
+            data["profile"] = self.profile
         tmp = Path(self.stats_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.stats_file)

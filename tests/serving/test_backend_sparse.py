@@ -2,8 +2,10 @@
 
 A decode batch runs through ``LouverAttnBackend`` inside SGLang's attention kit (real pools,
 shuffled page layout, prefix K/V written outside the backend so pages are built on first read).
-Every louver step the backend takes is recorded and replayed through the plain-torch reference
-(masked dense attention over its candidate set); every key scoring at least T must be attended.
+Every louver step the backend takes is recorded with the key set that step itself attended (the
+wrapper asks the backend's own decode call for it) and replayed through the plain-torch reference;
+every key scoring at least T must be in the backend's attended set, and its output must be fp64
+attention over that set.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
     calls = []
 
     def recording(self, q, k_cache, v_cache, store, sigma, **kwargs):
-        out, stats = real(self, q, k_cache, v_cache, store, sigma, **kwargs)
+        # the backend's own call, with its attended set returned beside what the backend asked for
+        out, stats, attended = real(self, q, k_cache, v_cache, store, sigma, **{**kwargs, "attended": True})
         plan = self.current_plan
         calls.append(((q, k_cache, v_cache, plan.page_table, plan.seq_lens, store, sigma, self.config),
-                      out.clone(), stats))
-        return out, stats
+                      out.clone(), stats, attended))
+        return (out, stats) if kwargs.get("stats") else out
 
     real = api.LouverDecode.run
     monkeypatch.setattr(api.LouverDecode, "run", recording)
@@ -58,21 +61,32 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
                                                     max_context_len=512)
         kit.run_dense_fixture_eager(fixture)
     assert calls, "the backend did not run the louver decode step"
-    for args, out, stats in calls:
+    assert any(bool((~m).any()) for *_, attended in calls for m in attended), "no step pruned a key"
+    for args, out, stats, attended in calls:
         q, k_cache, v_cache, page_table, seq_lens, store, sigma, config = args
         want, info = reference_decode(q, k_cache, v_cache, page_table, seq_lens, store, sigma, config)
         # certified steps attend every candidate and the compiled int8 bounds may add a few (each
         # below T, inside the certified mass bound); gated policies attend identical sets
         slack = 4 * float(stats.mass_bound.max()) * float(v_cache.abs().max()) if policy == "certified" else 0.0
         torch.testing.assert_close(out.float(), want, atol=2e-5 + slack, rtol=1e-5)
-        _assert_exact_recall(q, k_cache, page_table, seq_lens, stats.threshold, info, config.page_size)
+        _assert_own_set(q, k_cache, v_cache, page_table, seq_lens, sigma, out, stats, attended, info,
+                        config.page_size)
 
 
-def _assert_exact_recall(q, k_cache, page_table, seq_lens, threshold, info, size):
+def _assert_own_set(q, k_cache, v_cache, page_table, seq_lens, sigma, out, stats, attended, info, size):
+    """Recall 1.0 on the backend's own attended set (fp64 scores against its T), the reference's
+    set inside it, the dropped mass within the bound, and the output fp64 attention over it."""
     groups = q.shape[1] // k_cache.shape[1]
     for b, n in enumerate(seq_lens.tolist()):
         pos = torch.arange(n)
         slots = page_table[b, pos // size] * size + pos % size
         scores = torch.einsum("hd,lhd->hl", q[b].double(), k_cache[slots].double().repeat_interleave(groups, 1))
-        must = scores >= threshold[b].double()[:, None]
-        assert not bool((must & ~info[b]["attended"]).any()), "a key scoring >= T was not attended"
+        must = scores >= stats.threshold[b].double()[:, None]
+        assert not bool((must & ~attended[b]).any()), "a key scoring >= T was not attended by the backend"
+        assert bool((info[b]["attended"] <= attended[b]).all()), "the backend missed a key the reference attends"
+        p_all = torch.softmax(sigma * scores, dim=1)
+        assert bool(((p_all * ~attended[b]).sum(1) <= stats.mass_bound[b].double() + 1e-9).all())
+        p = torch.softmax((sigma * scores).masked_fill(~attended[b], float("-inf")), dim=1)
+        values = v_cache[slots].double().repeat_interleave(groups, 1)
+        scale = float(values.abs().max())
+        torch.testing.assert_close(out[b].double(), torch.einsum("hl,lhd->hd", p, values), atol=2e-5 * scale, rtol=0)

@@ -3,7 +3,8 @@ server stays healthy, and probe prompts answer the same after the churn as befor
 
 64 requests at concurrency 8 over a 6,000-token KV pool (the radix cache evicts; freed pages are
 refilled by other requests), four shared prefixes of mixed lengths, every sixth request streamed
-and dropped by the client mid-stream, the sparse path forced (no minimum length, pages of 16).
+and dropped by the client mid-stream, the sparse path forced (no minimum length, pages of 16, the dense fallback off: every decode step
+of every request reads its pages through the index).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from louver_sgl.eval.server import free_port, sglang_server
 
 pytestmark = pytest.mark.slow
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_PAGE_SIZE": "16", "LOUVER_MIN_SPARSE_TOKENS": "0",
-       "LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"}
+       "LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3", "LOUVER_DENSE_FALLBACK_FRACTION": "1.0"}
 
 
 
@@ -44,6 +45,7 @@ def test_churn_completes_every_request_and_keeps_probe_answers(tmp_path):
         counters = json.loads(stats.read_text())
     assert after == before, "a probe answered differently after the churn (stale index after a refill?)"
     assert counters["pages_built"] > 0 and counters["pages_reused"] > 0 and counters["sparse_steps"] > 0
+    assert counters["dense_fallback_steps"] == 0, "a step fell back to dense with the fallback off"
     print(f"churn: {result.completed} completed, {result.dropped} dropped in {result.seconds:.0f} s; "
           f"index pages built {counters['pages_built']}, reused {counters['pages_reused']}, "
           f"rebuilt on read {counters['pages_rebuilt_on_read']}")

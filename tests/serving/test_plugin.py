@@ -155,8 +155,11 @@ def test_index_bytes_enter_the_kv_pool_cell_size(tiny_model, monkeypatch):
         model_config = ModelConfig.from_server_args(args)
         kvc = SimpleNamespace(server_args=args, model_config=model_config, kv_cache_dtype=torch.bfloat16)
         cells[backend] = pool_budget.cell_size_with_index(lambda self, kvc, n: 1000 * n, None, kvc, 4)
-    per_layer = pool_budget.index_bytes_per_token(LouverConfig(grid_bits=4), model_config.get_num_kv_heads(1),
-                                                  model_config.head_dim, torch.bfloat16)
+    # expected from the layout itself, not from the product's own count: per token and KV head, the
+    # 4-bit codes (D/2 bytes) and the page's three bf16 codebooks (lo, scale, radius: 3·D·2 bytes)
+    # spread over its P slots
+    h_kv, dim, page = model_config.get_num_kv_heads(1), model_config.head_dim, LouverConfig().page_size
+    per_layer = h_kv * (dim * 4 / 8 + 3 * dim * 2 / page)
     assert cells["torch_native"] == 4000
     assert cells["louver"] == 4000 + int(-(-per_layer * 4 // 1))
     assert 0 < per_layer < 1000

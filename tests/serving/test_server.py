@@ -91,18 +91,25 @@ def _concurrent_shared_prefix(url: str, prompt: str) -> None:
 def test_index_memory_is_inside_the_pool_at_the_same_mem_fraction(tmp_path):
     """Sized by ``--mem-fraction-static`` (no ``--max-total-tokens``), a louver server holds fewer
     KV tokens than a torch_native one by the ratio its log states: (KV cell + index bytes per
-    token) / KV cell. The pool is large (about 3 GB here) so that the few MiB by which free memory
-    differs between two starts stay well below the 2 % tolerance (27 % difference expected)."""
+    token) / KV cell; and the index bytes per token the log states are those the index tensors
+    really allocated once a request has touched every layer (their storages' bytes over the KV
+    slots, from the statistics file). The pool is large (about 3 GB here) so that the few MiB by
+    which free memory differs between two starts stay well below the 2 % tolerance (27 %
+    difference expected)."""
     import re
 
     model = make_tiny_llama(tmp_path / "tiny")
-    tokens, cell = {}, {}
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    tokens, cell, allocated = {}, {}, {}
+    stats = tmp_path / "pool-stats.json"
     for backend in ("torch_native", "louver"):
         log = tmp_path / f"pool-{backend}.log"
-        env = {"LOUVER_GRID_BITS": "8", "LOUVER_HUGE_PAGES": "0"}
+        env = {"LOUVER_GRID_BITS": "8", "LOUVER_HUGE_PAGES": "0", "LOUVER_STATS_FILE": str(stats)}
         with sglang_server(model, backend, free_port(), env, ["--mem-fraction-static", "0.15"], log_path=log,
-                           max_total_tokens=None):
-            pass
+                           max_total_tokens=None) as url:
+            if backend == "louver":  # one request: every layer's store is allocated on its first use
+                generate(url, " ".join(["7"] * 300), max_new_tokens=4)
+                allocated = json.loads(stats.read_text())["index_allocated"]
         text = log.read_text()
         tokens[backend] = int(re.search(r"max_total_num_tokens=(\d+)", text).group(1))
         if backend == "louver":
@@ -111,3 +118,7 @@ def test_index_memory_is_inside_the_pool_at_the_same_mem_fraction(tmp_path):
     expected = (cell["kv"] + cell["index"]) / cell["kv"]
     assert cell["index"] > 0.1 * cell["kv"]  # the 8-bit grid: a difference well above the noise
     assert tokens["torch_native"] / tokens["louver"] == pytest.approx(expected, rel=0.02), (tokens, cell)
+    # the logged bytes are the allocated ones: every layer's store, within the byte the log rounds up
+    assert allocated["layers"] == layers and allocated["kv_slots"] >= tokens["louver"], allocated
+    per_token = allocated["bytes"] / allocated["kv_slots"]
+    assert cell["index"] - 1 <= per_token <= cell["index"], (allocated, cell)
