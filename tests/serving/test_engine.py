@@ -88,14 +88,12 @@ def _ids(outputs) -> list[list[int]]:
     return [o["output_ids"] for o in outputs]
 
 
-@pytest.mark.slow
 def test_dense_policy_matches_torch_native(runs):
     """louver with T = −inf gives the same greedy tokens as torch_native, for every request."""
     for group in ("lengths", "shared", "evict"):
         assert _ids(runs["dense"][group]) == _ids(runs["torch_native"][group]), group
 
 
-@pytest.mark.slow
 def test_certified_matches_dense_through_eviction(runs):
     """eps = 1e-3 keeps greedy tokens; requests after eviction read rebuilt pages, not stale ones."""
     for group in ("lengths", "shared", "evict"):
@@ -104,7 +102,6 @@ def test_certified_matches_dense_through_eviction(runs):
     assert runs["stats"]["pages_built"] > 640 // PAGE
 
 
-@pytest.mark.slow
 def test_radix_hit_reuses_index_and_matches_cold_run(runs):
     """The second shared-prefix request hits the radix cache, reads the first request's index
     pages (counted as reused, not rebuilt) and decodes exactly like a forced-miss cold run."""

@@ -23,13 +23,13 @@ from louver_sgl.data.tiny_model import make_tiny_llama
 from louver_sgl.eval.niah import build_prompt, found
 from louver_sgl.eval.server import free_port, generate, sglang_server
 
-pytestmark = pytest.mark.slow
 LENGTHS = (2048, 7500)
 
 
 DEPTHS = (0.1, 0.5, 0.9)
 
 
+@pytest.mark.slow  # three servers, 2 min; the fast tier's dense-equals-torch_native server is the chunked one
 def test_tiny_model_dense_policy_matches_torch_native(tmp_path):
     model = make_tiny_llama(tmp_path / "tiny")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -66,6 +66,7 @@ def niah_prompts():
     return [build_prompt(tokenizer, haystack, n, d) for n in LENGTHS for d in DEPTHS]
 
 
+@pytest.mark.slow  # 21 min: SmolLM2 prompts up to 7.5K tokens through two servers
 def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
     model = ensure_model()
     answers = {}
