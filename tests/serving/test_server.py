@@ -68,16 +68,24 @@ def niah_prompts():
 
 @pytest.mark.slow  # 21 min: SmolLM2 prompts up to 7.5K tokens through two servers
 def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
+    """The dense server runs at louver's page size (read from louver's statistics file): SGLang's
+    own answers depend on it. Measured on an AVX-512 machine (page 128 from its profile): at 7.5K
+    tokens, depth 0.5, torch_native finds the needle at its default page size and misses it at
+    page 128 with the same tokens as louver under the dense policy."""
     model = ensure_model()
+    stats = tmp_path / "stats.json"
+    louver_env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3", "LOUVER_STATS_FILE": str(stats)}
     answers = {}
-    for backend, env in (("torch_native", {}), ("louver", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"})):
-        with sglang_server(model, backend, free_port(), env, log_path=tmp_path / f"{backend}.log") as url:
-            answers[backend] = [generate(url, p.text)["text"] for p in niah_prompts]
-            if backend == "louver":
-                _concurrent_shared_prefix(url, niah_prompts[0].text)
+    with sglang_server(model, "louver", free_port(), louver_env, log_path=tmp_path / "louver.log") as url:
+        answers["louver"] = [generate(url, p.text)["text"] for p in niah_prompts]
+        _concurrent_shared_prefix(url, niah_prompts[0].text)
+        page = json.loads(stats.read_text())["page_size"]
+    with sglang_server(model, "torch_native", free_port(), {}, ["--page-size", str(page)],
+                       log_path=tmp_path / "torch_native.log") as url:
+        answers["torch_native"] = [generate(url, p.text)["text"] for p in niah_prompts]
     dense_hits = [found(p.answer, a) for p, a in zip(niah_prompts, answers["torch_native"])]
     louver_hits = [found(p.answer, a) for p, a in zip(niah_prompts, answers["louver"])]
-    assert louver_hits == dense_hits, (answers["torch_native"], answers["louver"])
+    assert louver_hits == dense_hits, (page, answers["torch_native"], answers["louver"])
     assert sum(dense_hits) >= len(dense_hits) // 2, "the dense model itself should find most needles"
 
 
