@@ -4,7 +4,7 @@
     decode.plan(page_table, seq_lens)                         # host side, once per forward pass
     out = decode.run(q, k_cache, v_cache, store, sigma)       # device side, once per layer
     out, stats = decode.run(..., stats=True)                  # + StepStats
-    out, stats, attended = decode.run(..., attended=True)     # + attended key set (torch, triton)
+    out, stats, attended = decode.run(..., attended=True)     # + attended key set (audits; every impl)
 
 Implementations register by name (``register_implementation``): ``torch`` (vectorised torch, both
 bound families), ``cpu`` (the compiled CPU kernels), ``triton`` (the GPU kernels, filter and
@@ -148,7 +148,8 @@ class LouverDecode:
             store: the layer's ``PageIndexStore`` (every full indexed page built).
             sigma: softmax scale. out: optional caller-owned ``[B, H_q, D_v]`` output.
             stats: also return the ``StepStats``. attended: also return, per request, the bool
-                ``[H_q, L]`` attended key set (implementations ``torch`` and ``triton``).
+                ``[H_q, L]`` attended key set, the one the step itself attended (every implementation;
+                an audit aid: it adds a buffer write per attended key and a host loop).
 
         Returns ``out`` ``[B, H_q, D_v]`` in q's dtype, ``(out, stats)`` with ``stats``, or
         ``(out, stats, attended)`` with ``attended``.
