@@ -66,12 +66,13 @@ def niah_prompts():
     return [build_prompt(tokenizer, haystack, n, d) for n in LENGTHS for d in DEPTHS]
 
 
-@pytest.mark.slow  # 21 min: SmolLM2 prompts up to 7.5K tokens through two servers
-def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
+@pytest.mark.slow  # 12-21 min: SmolLM2 prompts up to 7.5K tokens through two servers
+def test_niah_certified_loses_no_needle_dense_finds(niah_prompts, tmp_path):
     """The dense server runs at louver's page size (read from louver's statistics file): SGLang's
     own answers depend on it. Measured on an AVX-512 machine (page 128 from its profile): at 7.5K
     tokens, depth 0.5, torch_native finds the needle at its default page size and misses it at
-    page 128 with the same tokens as louver under the dense policy."""
+    page 128 with the same tokens as louver under the dense policy. The claim is one-sided: every
+    needle torch_native finds, louver finds too."""
     model = ensure_model()
     stats = tmp_path / "stats.json"
     louver_env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3", "LOUVER_STATS_FILE": str(stats)}
@@ -85,7 +86,11 @@ def test_niah_certified_answers_like_dense(niah_prompts, tmp_path):
         answers["torch_native"] = [generate(url, p.text)["text"] for p in niah_prompts]
     dense_hits = [found(p.answer, a) for p, a in zip(niah_prompts, answers["torch_native"])]
     louver_hits = [found(p.answer, a) for p, a in zip(niah_prompts, answers["louver"])]
-    assert louver_hits == dense_hits, (page, answers["torch_native"], answers["louver"])
+    # No needle the dense server finds is lost. The certificate bounds the dropped mass, not the
+    # greedy argmax: measured once here, at 7.5K depth 0.5 louver found the needle torch_native
+    # missed ("Violet harbor 7319." against "a passphrase only."), a gain, not a loss.
+    lost = [i for i, (d, l) in enumerate(zip(dense_hits, louver_hits)) if d and not l]
+    assert not lost, (page, lost, answers["torch_native"], answers["louver"])
     assert sum(dense_hits) >= len(dense_hits) // 2, "the dense model itself should find most needles"
 
 
