@@ -14,6 +14,7 @@ from typing import Any
 BOUND_FAMILIES = ("grid", "clustered")
 CLUSTERINGS = ("kd",)
 POLICIES = ("certified", "budget", "fixed", "dense")
+CERTIFIED_RULES = ("histogram", "a_posteriori")
 GRID_BITS = (2, 4, 8)
 
 
@@ -39,6 +40,16 @@ class LouverConfig:
         gates at a provisional level low enough that the mass it drops always fits
         (``threshold.safe_level``) and certifies its own dropped mass; a request whose check
         fails takes the two passes. One pass reads the codes once but keeps more candidates.
+      certified_rule: which lower bound on the softmax denominator the certificate divides by.
+        "histogram": Z_lb, the exact part's (dense part and sample) alone. "a_posteriori": the
+        first level from an estimate of Z (``estimate_share`` times the dense part plus the
+        sample scaled to the indexed tokens), then checked against Z_att, the exact mass of
+        everything the step attended there; heads whose check fails lower T to the level that
+        fits Z_att and attend the band between the two (design notes, "Certified a
+        posteriori"). Both are certified; a_posteriori keeps fewer keys and needs
+        ``certified_passes=2``.
+      estimate_share: the a-posteriori first level's share of the estimated Z (above 0, at most
+        4); lower values run the band pass less often but keep more keys.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 
@@ -64,6 +75,8 @@ class LouverConfig:
     budget: float = 0.1
     fixed_threshold: float = 0.0
     certified_passes: int = 2
+    certified_rule: str = "histogram"
+    estimate_share: float = 1.0
     sample_size: int = 256
     sink_pages: int = 1
     recent_pages: int = 1
@@ -98,6 +111,13 @@ class LouverConfig:
             raise ValueError(f"budget must lie in (0, 1], got {self.budget}")
         _check_finite("fixed_threshold", self.fixed_threshold)
         _check_choice("certified_passes", self.certified_passes, (1, 2))
+        _check_choice("certified_rule", self.certified_rule, CERTIFIED_RULES)
+        if self.certified_rule == "a_posteriori" and self.certified_passes != 2:
+            raise ValueError("certified_rule='a_posteriori' needs certified_passes=2 (the one-pass rule is "
+                             "its own provisional level)")
+        _check_finite("estimate_share", self.estimate_share)
+        if not 0.0 < self.estimate_share <= 4.0:
+            raise ValueError(f"estimate_share must lie in (0, 4], got {self.estimate_share}")
         _check_int("sample_size", self.sample_size, 1, 1 << 20)
         _check_int("sink_pages", self.sink_pages, 0, 1 << 20)
         _check_int("recent_pages", self.recent_pages, 0, 1 << 20)

@@ -103,11 +103,13 @@ def fp64_request(q, k, v, page_table, seq_lens, b: int, page_size: int) -> tuple
     return scores, v[slots].double().repeat_interleave(groups, 1)
 
 
-def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[torch.Tensor]:
+def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_bounds=False) -> list[torch.Tensor]:
     """The keys the compiled grid step attends at ``thresholds`` ``[B, H_q]`` (no value gate): per
     request a bool mask ``[H_q, L]``, True for the dense part and, per GQA group, for every token
     of the indexed pages that some head of the group keeps by its page bound and its int8 token
-    bound (``int8_token_bounds_reference``, the bounds the kernel gates with)."""
+    bound (``int8_token_bounds_reference``, the bounds the kernel gates with; with
+    ``kernel_bounds`` the kernel's own, from the ``certified_threshold`` op: the reference's fp32
+    sums are ordered differently, so a bound within ~1e-5 of T can fall on the other side)."""
     from louver_sgl.decode.fused import int8_token_bounds_reference
     from louver_sgl.decode.plan import plan_decode
 
@@ -118,10 +120,15 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[tor
     plan = plan_decode(page_table, seq_lens, config)
     rows = q.float().view(q.shape[0], h_kv, groups, -1)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    codes = store.page_codes(plan.page_ids)
-    tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits)  # [n, P, H_kv, G]
+    if kernel_bounds:
+        page_bound, tok = _kernel_bounds(q, plan, store)
+        page_bound, tok = page_bound.view(-1, h_kv, groups), tok.view(len(plan.page_ids), size, h_kv, groups)
+    else:
+        codes = store.page_codes(plan.page_ids)
+        page_bound = bounds.page_bound
+        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits)  # [n, P, H_kv, G]
     t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
-    keep = (~(bounds.page_bound.unsqueeze(1) < t)) & ~(tok < t)
+    keep = (~(page_bound.unsqueeze(1) < t)) & ~(tok < t)
     union = keep.any(-1)  # [n, P, H_kv]
     masks = []
     for b, n in enumerate(seq_lens.tolist()):
@@ -132,3 +139,23 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds) -> list[tor
             mask[:, start: start + size] = union[row].t().repeat_interleave(groups, 0)
         masks.append(mask)
     return masks
+
+
+def _kernel_bounds(q, plan, store) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled kernels' own page bounds ``[NP, H_q]`` and int8 token bounds ``[NP, P, H_q]``
+    (the ``certified_threshold`` op's test outputs; its T is not used)."""
+    from louver_sgl.decode import threshold as th
+    from louver_sgl.decode.contract import EDGES
+    from louver_sgl.decode.fused import compiled_ops
+
+    batch, heads = q.shape[:2]
+    n, size = len(plan.page_ids), store.page_size
+    wide = lambda: torch.zeros(batch, heads, EDGES.hist_width, dtype=torch.float64)
+    out = dict(hist=wide(), habs=wide(), t=torch.empty(batch, heads), tok=torch.empty(n, size, heads),
+               certificate=torch.empty(batch, heads, dtype=torch.float64), pb=torch.empty(n, heads))
+    compiled_ops().certified_threshold(
+        q=q.float().contiguous(), page_ids=plan.page_ids, page_req=plan.page_req, **store.tensors,
+        ref=torch.zeros(batch, heads), z_lb=torch.ones(batch, heads, dtype=torch.float64), sigma=1.0,
+        eps_budget=0.5, rounding=th.HIST_ROUNDING, bits=store.config.grid_bits, page_size=size,
+        **EDGES.kernel_args(), **out)
+    return out["pb"], out["tok"]

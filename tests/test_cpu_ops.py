@@ -165,14 +165,15 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
                         chunk_begin=chunks[1], chunk_end=chunks[2])
     policy = dict(sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4, page_size=16)
     index = dict(zip(("lo", "scale", "radius", "codes"), index))
-    fused = {k: v for k, v in a.named().items() if k not in ("z_lb", "hist", "habs", "certificate")}
+    fused = {k: v for k, v in a.named().items() if k not in ("z_lb", "hist", "habs", "certificate")
+             and not k.startswith("band_")}
     OPS.fused_step(q=q.float().contiguous(), k_cache=k, v_cache=v, **index, **plan_tensors, **policy, **fused)
     want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
                                           plan.num_indexed, 0.02, 2)
     step_plan = OPS.StepPlan(**plan_tensors, num_indexed=plan.num_indexed, page_req=plan.page_req,
                              q32=torch.empty(len(LENS), 6, 64), **b.named())
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **index, **policy, fallback_fraction=0.02, eps_budget=-1.0,
-                          one_pass=False, rounding=0.0, **EDGES.kernel_args())
+                          one_pass=False, rounding=0.0, a_posteriori=False, estimate_share=1.0, **EDGES.kernel_args())
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -198,7 +199,7 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **{n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")},
                           sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4,
                           page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, one_pass=False,
-                          **EDGES.kernel_args())
+                          a_posteriori=False, estimate_share=1.0, **EDGES.kernel_args())
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):

@@ -31,6 +31,14 @@ struct AttendArgs {
   // page row's request attended that token of the page (after the value gate); written by the
   // runner that owns the (page row, KV head), so threads never share a byte
   uint8_t* attended = nullptr;
+  // the band pass of the a-posteriori certified rule (null otherwise). t_upper [B, H_q]: the first
+  // pass's levels; a token that some head's bound reaches there was attended by the first pass
+  // and is no candidate again (no key is scored twice). A page a head keeps at t but not at
+  // t_upper counts −1 skipped for it, so that the two passes' counts add up to the final level's.
+  // band_req [B]: requests with a lowered head; the other requests' chunks write an empty state
+  // without reading a page.
+  const float* t_upper = nullptr;
+  const uint8_t* band_req = nullptr;
 };
 
 // Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
@@ -64,7 +72,7 @@ struct ChunkRunner {
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
   std::vector<int64_t> drop_count, cand_slot, value_rows, cand_pos;  // cand_pos: only with a.attended
-  std::vector<char> keep_page;
+  std::vector<char> keep_page, keep_upper;  // keep_upper: the band pass's first-level page gate
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
   int64_t page_row = 0;  // the page row open_page last saw
@@ -81,7 +89,8 @@ struct ChunkRunner {
         weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
         wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
-        value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), st(args.groups) {}
+        value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_upper(args.groups, 0),
+        st(args.groups) {}
 
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -112,7 +121,10 @@ struct ChunkRunner {
     open = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
-      if (!keep_page[g]) {
+      if (a.t_upper) {  // the band pass: the first pass counted this page's skips and masses
+        keep_upper[g] = !(pb[g] < a.t_upper[head0 + g]);
+        if (keep_page[g] && !keep_upper[g]) st[g].skipped -= 1;
+      } else if (!keep_page[g]) {
         st[g].skipped += 1;
         st[g].mass[0] += double(a.page_size) * rel_mass(a.sigma, pb[g], a.ref[head0 + g]);
       }
@@ -157,7 +169,7 @@ struct ChunkRunner {
     const int64_t G = a.groups;
     __m512i dots[8];
     dot_block16(a.codes, first + p, k, a.bits, a.dim, wsplit.data(), wsplit8.data(), G, dots);
-    uint32_t cand = 0;
+    uint32_t cand = 0, upper = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
       const __m512 ub = token_bounds16(off[g], step[g], dots[g]);
@@ -168,13 +180,16 @@ struct ChunkRunner {
         _mm512_storeu_ps(drop_lanes.data() + 16 * g, _mm512_mask_max_ps(seen, drop, seen, ub));
       }
       cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
+      if (keep_upper[g])  // band pass: the first pass's candidates
+        upper |= static_cast<uint16_t>(~_mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t_upper[head0 + g]), _CMP_LT_OQ));
     }
+    cand &= ~upper;
     for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
     dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), G, dots);
-    uint32_t cand = 0;
+    uint32_t cand = 0, upper = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g]) continue;
       const __m256 t = _mm256_set1_ps(a.t[head0 + g]);
@@ -189,8 +204,13 @@ struct ChunkRunner {
           _mm256_storeu_ps(lanes, _mm256_blendv_ps(seen, _mm256_max_ps(seen, ub), below));
         }
         cand |= (~drop & 0xFFu) << (8 * h);
+        if (keep_upper[g]) {  // band pass: the first pass's candidates
+          const __m256 up = _mm256_cmp_ps(ub, _mm256_set1_ps(a.t_upper[head0 + g]), _CMP_LT_OQ);
+          upper |= (~static_cast<uint32_t>(_mm256_movemask_ps(up)) & 0xFFu) << (8 * h);
+        }
       }
     }
+    cand &= ~upper;
     for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
 #else
     (void)first;
@@ -211,7 +231,7 @@ struct ChunkRunner {
       } else {
         for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
       }
-      bool cand = false;
+      bool cand = false, upper = false;
       for (int64_t g = 0; g < G; ++g) {
         if (!keep_page[g]) continue;
         const float ub = token_bound(off[g], step[g], idot[g]);
@@ -221,8 +241,9 @@ struct ChunkRunner {
         } else {
           cand = true;  // NaN keeps
         }
+        upper |= keep_upper[g] && !(ub < a.t_upper[head0 + g]);  // band pass: the first pass's candidate
       }
-      if (cand) add_candidate(first + p);
+      if (cand && !upper) add_candidate(first + p);
     }
   }
 
@@ -248,7 +269,7 @@ struct ChunkRunner {
   // which is scored and attended (flush) once another page might not fit or the chunk ends.
   void end_page() {
     for (int64_t g = 0; g < a.groups; ++g) {
-      if (!drop_count[g]) continue;
+      if (!drop_count[g] || a.t_upper) continue;  // the band pass: the first pass accounted drops
       float top = drop_max[g];  // the per-token path's; the 16-token blocks' are in drop_lanes
       for (int i = 0; i < 16; ++i) top = std::max(top, drop_lanes[16 * g + i]);
       st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, top, a.ref[head0 + g]);
@@ -661,7 +682,7 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
     } else {
       for (auto& r : runners) r.reset(c);
     }
-    run_chunk(runners, a, c);
+    if (!a.band_req || a.band_req[a.chunk_req[c]]) run_chunk(runners, a, c);  // else an empty state
     for (int64_t k = 0; k < a.h_kv; ++k) {
       const int64_t task = c * a.h_kv + k, base = task * G;
       runners[k].write(a.m_out + base, a.l_out + base, a.o_out + base * a.dim_v, a.counts + task * (2 * G + 3),

@@ -235,17 +235,17 @@ int64_t page_slices(int64_t n_pages) {
   return std::max<int64_t>(1, std::min<int64_t>(n_pages, 8 * at::get_num_threads()));
 }
 
+}  // namespace
+
 // fp32 T of edge j for reference score ref (threshold.edge_threshold): just under the edge,
 // rounded down; −inf for j < 0 or a non-finite ref.
-float edge_threshold(int64_t j, float ref, double sigma, const Edges& edges) {
+float louver_cpu::edge_threshold(int64_t j, float ref, double sigma, const Edges& edges) {
   if (j < 0 || !std::isfinite(ref)) return -INFINITY;
   const double t = double(ref) + (edges.low + edges.step * double(j) - edges.margin) / sigma;
   float t32 = static_cast<float>(t);
   if (double(t32) > t) t32 = std::nextafter(t32, -INFINITY);
   return t32;
 }
-
-}  // namespace
 
 // The pass (CertifiedPass, ops.h): q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius
 // [pages, H_kv, D] (KV dtype); codes u8 [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4,

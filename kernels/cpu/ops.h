@@ -30,6 +30,8 @@ struct CertifiedPass {
   torch::Tensor tok, pb;  // empty, or the int8 token bounds and page bounds (tests)
 };
 void run_certified_pass(const CertifiedPass& c);
+// fp32 T of edge j (threshold.edge_threshold; bounds.cpp).
+float edge_threshold(int64_t j, float ref, double sigma, const Edges& edges);
 
 }  // namespace louver_cpu
 
@@ -46,6 +48,9 @@ struct StepPlan {
   torch::Tensor q32, s_dense, sample, ref, z, t, gate, m, l, o, counts, mass, result, per_head, per_req, masses;
   torch::Tensor z_lb, hist, habs, certificate;
   torch::Tensor m2, l2, o2;  // m, l, o viewed as [NC, H_q] / [NC, H_q, D_v] for the merge
+  // the a-posteriori rule's band pass: chunk states shaped like m, l, o, counts and mass (empty
+  // when the layer's policy has no band pass)
+  torch::Tensor band_m, band_l, band_o, band_counts, band_mass;
 };
 
 // The layer side, made once per layer: its KV caches, its index (lo, scale, radius, codes) and the
@@ -55,7 +60,10 @@ struct StepPlan {
 // the certified pass with that budget, rounding and the edges edge_low/edge_step/edge_count/
 // edge_margin, its certificate as the index-dropped mass, no value gate; with one_pass the attend
 // pass first gates at the provisional level and certifies its own dropped mass, and only requests
-// whose check fails take that certified pass and a second attend pass). run(q, plan, out) is
+// whose check fails take that certified pass and a second attend pass; with a_posteriori the
+// certified pass picks the first level against the estimate of Z (estimate_share), and heads whose
+// certificate does not fit the exact mass of what the attend pass attended are lowered, their
+// band attended by a second attend pass into the plan's band buffers). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
 // output in out (or a new tensor of q's dtype), in one call (attended, debug only: a u8 [NP, P, H_q]
 // buffer the attend pass fills with the keys it attended, see AttendArgs::attended): at batch 1 each Python-level op or
@@ -68,8 +76,8 @@ struct LayerStep {
                                                      std::optional<torch::Tensor> out,
                                                      std::optional<torch::Tensor> attended) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
-  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding;
-  bool value_gate, one_pass;
+  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share;
+  bool value_gate, one_pass, a_posteriori;
   int64_t bits, page_size;
   louver_cpu::Edges edges;
 };

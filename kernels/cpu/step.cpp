@@ -19,7 +19,7 @@ using namespace louver_cpu;
 
 namespace {
 
-enum Phases { kExactPart = 1, kAttendMerge = 2, kAllPhases = 3 };
+enum Phases { kExactPart = 1, kAttend = 2, kMerge = 4, kAttendMerge = 6, kAllPhases = 7 };
 
 // The phases in one parallel region (a pragma cannot sit inside the dtype-dispatch macro): the
 // exact part with T and the value gate per head, then attend and merge. Certified steps run them
@@ -47,9 +47,11 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
         gp[bh] = value_gate ? value_gate_threshold(tp[bh], gate_rel) : -INFINITY;
       }
     }
-    if (phases & kAttendMerge) {
-      attend_worker(a, kc, vc, lo, sc, rad, next);
+    if (phases & kAttend) attend_worker(a, kc, vc, lo, sc, rad, next);
+    if ((phases & kAttend) && (phases & kMerge)) {
 #pragma omp barrier
+    }
+    if (phases & kMerge) {
 #pragma omp for schedule(static)
       for (int64_t task = 0; task < g.B * g.h_kv; ++task) merge_tasks(g, vc, task, task + 1);
     }
@@ -168,6 +170,80 @@ void keep_rows(const std::vector<char>& failed, const torch::Tensor& t_kept, tor
   }
 }
 
+// The a-posteriori rule's estimate of Z into z_est (threshold.estimated_z): per (request, head)
+// max(Z_lb, share·(Z_dense + Z_sample·n_indexed / samples)); the certified pass picks the first
+// level against it.
+void estimated_z(StepPlan& p, double share, double* z_est) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
+  const double* z = p.z.data_ptr<double>();
+  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
+  std::vector<int64_t> samples(B, 0);
+  const int64_t* sr = p.sample_req.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.sample_req.size(0); ++i) ++samples[sr[i]];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double scaled = z[2 * i + 1] * double(n_idx[b]) / double(std::max<int64_t>(samples[b], 1));
+      z_est[i] = std::max(z[2 * i] + z[2 * i + 1], share * (z[2 * i] + scaled));
+    }
+}
+
+// The check and the second level of the a-posteriori rule (threshold.a_posteriori_second): Z_att
+// = max(Z_lb, Z_dense + the exact mass of the first pass's union candidates, masses[..., 2]); a
+// head whose certificate (the bound at its first level) does not fit eps_budget·Z_att takes the
+// largest edge whose bound (the histogram's cumulative sums) does, its certificate that bound (T
+// = −inf and 0 where none fits). Returns per request whether some head was lowered.
+std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_budget, double rounding,
+                                       const Edges& edges) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1), W = p.hist.size(2);
+  const double *z = p.z.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
+  const double *hist = p.hist.data_ptr<double>(), *habs = p.habs.data_ptr<double>();
+  const float* ref = p.ref.data_ptr<float>();
+  float* t = p.t.data_ptr<float>();
+  double* cert = p.certificate.data_ptr<double>();
+  std::vector<uint8_t> band(B, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double z_att = std::max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
+      if (t[i] == -INFINITY || cert[i] <= eps_budget * z_att) continue;  // certified at the first level
+      double cum = 0.0, cum_abs = 0.0, fit = 0.0;
+      int64_t edge = -1;
+      for (int64_t j = 0; j < std::min<int64_t>(W, edges.count); ++j) {
+        cum += hist[i * W + j];
+        cum_abs += habs[i * W + j];
+        const double bound = cum + rounding * cum_abs;
+        if (bound <= eps_budget * z_att) edge = j, fit = bound;
+      }
+      t[i] = edge_threshold(edge, ref[i], sigma, edges);
+      cert[i] = edge < 0 ? 0.0 : fit;
+      band[b] = 1;
+    }
+  return band;
+}
+
+// The band pass's chunk states merged into the first pass's (log-sum-exp per chunk and head) and
+// their counts and masses added, so that the merge and the totals read one state per chunk.
+void combine_band(StepPlan& p) {
+  const int64_t rows = p.m.numel(), DV = p.result.size(2);
+  float *m = p.m.data_ptr<float>(), *l = p.l.data_ptr<float>(), *o = p.o.data_ptr<float>();
+  const float *bm = p.band_m.data_ptr<float>(), *bl = p.band_l.data_ptr<float>(), *bo = p.band_o.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bl[r] == 0.f) continue;  // the band attended nothing for this chunk and head
+    const float top = std::max(m[r], bm[r]);
+    const float s1 = std::exp(m[r] - top), s2 = std::exp(bm[r] - top);
+    l[r] = l[r] * s1 + bl[r] * s2;
+    for (int64_t d = 0; d < DV; ++d) o[r * DV + d] = o[r * DV + d] * s1 + bo[r * DV + d] * s2;
+    m[r] = top;
+  }
+  int64_t* counts = p.counts.data_ptr<int64_t>();
+  const int64_t* bc = p.band_counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.counts.numel(); ++i) counts[i] += bc[i];
+  double* mass = p.mass.data_ptr<double>();
+  const double* bmass = p.band_mass.data_ptr<double>();
+  for (int64_t i = 0; i < p.mass.numel(); ++i) mass[i] += bmass[i];
+}
+
 }  // namespace
 
 StepPlan::StepPlan(Named& n) {
@@ -180,7 +256,16 @@ StepPlan::StepPlan(Named& n) {
   o = n.tensor("o"), counts = n.tensor("counts"), mass = n.tensor("mass"), result = n.tensor("result");
   per_head = n.tensor("per_head"), per_req = n.tensor("per_req"), masses = n.tensor("masses");
   z_lb = n.tensor("z_lb"), hist = n.tensor("hist"), habs = n.tensor("habs"), certificate = n.tensor("certificate");
+  band_m = n.tensor("band_m"), band_l = n.tensor("band_l"), band_o = n.tensor("band_o");
+  band_counts = n.tensor("band_counts"), band_mass = n.tensor("band_mass");
   n.done();
+  for (const auto* x : {&band_m, &band_l, &band_o}) check_buffer(*x, at::kFloat, "a band buffer");
+  check_buffer(band_counts, at::kLong, "band_counts");
+  check_buffer(band_mass, at::kDouble, "band_mass");
+  const bool band = band_m.numel() > 0;
+  TORCH_CHECK(!band || (band_m.sizes() == m.sizes() && band_l.sizes() == l.sizes() && band_o.sizes() == o.sizes() &&
+                        band_counts.sizes() == counts.sizes() && band_mass.sizes() == mass.sizes()),
+              "StepPlan: the band buffers must be empty or shaped like m, l, o, counts and mass");
   for (const auto* x : {&dense_slots, &dense_req, &sample_slots, &sample_req, &page_ids, &chunk_req, &chunk_begin,
                         &chunk_end, &num_indexed, &page_req})
     check_buffer(*x, at::kLong, "a plan tensor");
@@ -201,11 +286,14 @@ LayerStep::LayerStep(Named& n)
     : k_cache(n.tensor("k_cache")), v_cache(n.tensor("v_cache")), lo(n.tensor("lo")), scale(n.tensor("scale")),
       radius(n.tensor("radius")), codes(n.tensor("codes")), sigma(n.real("sigma")), budget(n.real("budget")),
       t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
-      eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), value_gate(n.flag("value_gate")),
-      one_pass(n.flag("one_pass")), bits(n.integer("bits")), page_size(n.integer("page_size")),
+      eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), estimate_share(n.real("estimate_share")),
+      value_gate(n.flag("value_gate")), one_pass(n.flag("one_pass")), a_posteriori(n.flag("a_posteriori")),
+      bits(n.integer("bits")), page_size(n.integer("page_size")),
       edges(Edges::read(n)) {
   n.done();
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
+  TORCH_CHECK(!a_posteriori || (eps_budget >= 0 && !one_pass && estimate_share > 0),
+              "LayerStep: a_posteriori is a two-pass certified rule with a positive estimate_share");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
               "LayerStep: the KV caches and the index must be CPU tensors");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(0) == v_cache.size(0) &&
@@ -265,6 +353,32 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
+    if (a_posteriori) {
+      TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
+      torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
+      estimated_z(p, estimate_share, z_est.data_ptr<double>());
+      c.z_lb = z_est;
+      run_certified_pass(c);
+      run(kAttend);
+      chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+      const torch::Tensor t0 = p.t.clone();
+      const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
+      if (std::find(band.begin(), band.end(), 1) != band.end()) {
+        AttendArgs ab = a;  // the band: keys at the lowered levels that the first pass did not attend
+        ab.t_upper = t0.data_ptr<float>(), ab.band_req = band.data();
+        ab.m_out = p.band_m.data_ptr<float>(), ab.l_out = p.band_l.data_ptr<float>();
+        ab.o_out = p.band_o.data_ptr<float>(), ab.counts = p.band_counts.data_ptr<int64_t>();
+        ab.mass = p.band_mass.data_ptr<double>();
+        run_phases(e, ab, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+                   scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
+                   static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kAttend);
+        combine_band(p);
+      }
+      run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
+                 static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kMerge);
+      return;
+    }
     if (!one_pass) {
       run_certified_pass(c);
       return run(kAttendMerge);

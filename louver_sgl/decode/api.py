@@ -94,9 +94,17 @@ def uses_int8_token_bounds(impl: str) -> bool:
 def _auto(config: LouverConfig, device: torch.device) -> str:
     if device.type == "cuda":
         return "triton"
-    if config.family == "grid" and _unavailable("cpu", device) is None:
+    if config.family == "grid" and _unavailable("cpu", device) is None and _honours("cpu", config, device):
         return "cpu"
     return "torch"
+
+
+def _honours(impl: str, config: LouverConfig, device: torch.device) -> bool:
+    try:
+        implementation(impl).check_config(config, device)
+    except ValueError:
+        return False
+    return True
 
 
 class LouverDecode:

@@ -100,6 +100,48 @@ def certified_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverC
     return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), certificate)
 
 
+@dataclass
+class FirstLevel:
+    """What the a-posteriori rule's second level needs from the first: the bounds (page ``[NP,
+    H_q]``, clamped token ``[NP, P, H_q]`` and their log-masses), the certified bound at every
+    edge ``[B, H_q, E]`` fp64 and the first edge ``[B, H_q]`` int64."""
+
+    pb: torch.Tensor
+    tok: torch.Tensor
+    x_page: torch.Tensor
+    x_tok: torch.Tensor
+    page_req: torch.Tensor
+    bound: torch.Tensor
+    edge: torch.Tensor
+
+
+def a_posteriori_filter(pb, tok, page_req, ref, z_est, sigma: float, config: LouverConfig):
+    """The a-posteriori rule's first level (``threshold.a_posteriori_first``) and its filter:
+    (FilterResult at T0 with the bound at T0 as its dropped mass, FirstLevel)."""
+    eps_budget = config.eps * th.BUDGET_SAFETY
+    _, _, hist, habs = th.certified_choice(pb, tok, page_req, ref, ref.new_zeros(ref.shape, dtype=torch.float64),
+                                           sigma, eps_budget, th.HIST_ROUNDING)
+    bound = th.histogram_bound(hist, habs, th.HIST_ROUNDING)
+    edge, t0 = th.a_posteriori_first(bound, ref, z_est, sigma, eps_budget)
+    tok = torch.minimum(tok, pb[:, None, :])
+    x_page = th.log_mass(pb, ref[page_req], sigma)
+    x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
+    cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
+    first = FirstLevel(pb, tok, x_page, x_tok, page_req, bound, edge)
+    return _apply(t0, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), cert), first
+
+
+def a_posteriori_second(first: FirstLevel, ref, z_att, sigma: float, config: LouverConfig):
+    """The check against Z_att ``[B, H_q]`` fp64 and the final level
+    (``threshold.a_posteriori_second``): (FilterResult at the final T, with its certificate as
+    the dropped mass; band ``[B, H_q]`` bool: the heads whose level was lowered)."""
+    _, t, cert, band = th.a_posteriori_second(first.bound, first.edge, ref, z_att, sigma,
+                                              config.eps * th.BUDGET_SAFETY)
+    filt = _apply(t, first.pb, first.x_page, first.tok, first.x_tok, first.page_req, torch.arange(len(first.pb)),
+                  cert)
+    return filt, band
+
+
 def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig) -> FilterResult:
     """The one-pass certified rule (``threshold.safe_level`` / ``provisional_certified``): gate at
     the provisional level and certify the mass that gate drops; requests with a head whose check

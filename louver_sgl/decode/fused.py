@@ -140,7 +140,7 @@ class CpuDecode(DecodeImplementation):
 
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
-                self.config.sample_size)
+                self.config.sample_size, has_band_pass(self.config))
 
     def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
         """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
@@ -149,7 +149,7 @@ class CpuDecode(DecodeImplementation):
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
-                            self.config.sample_size)
+                            self.config.sample_size, band=has_band_pass(self.config))
             return _step_plan(self.ops, plan, chunks, part, dim)
 
         return plan.cached(key, make)
@@ -199,7 +199,13 @@ def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, conf
         bits=store.config.grid_bits, page_size=store.page_size,
         fallback_fraction=float(config.dense_fallback_fraction),
         eps_budget=config.eps * th.BUDGET_SAFETY if certified else -1.0, rounding=th.HIST_ROUNDING,
-        one_pass=certified and config.certified_passes == 1, **EDGES.kernel_args())
+        one_pass=certified and config.certified_passes == 1, a_posteriori=has_band_pass(config),
+        estimate_share=float(config.estimate_share), **EDGES.kernel_args())
+
+
+def has_band_pass(config: LouverConfig) -> bool:
+    """Whether a step of ``config`` runs the a-posteriori rule (its plan side then holds band buffers)."""
+    return config.policy == "certified" and config.certified_rule == "a_posteriori"
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor, plan: DecodePlan,
@@ -304,7 +310,7 @@ class _Outputs:
     """The compiled step's output buffers (made once per plan, see ``CpuDecode``; shapes in the op
     comments)."""
 
-    def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size):
+    def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size, band: bool = False):
         groups = heads // h_kv
         self.s_dense = torch.empty(n_dense, heads)
         self.sample = torch.empty(batch, sample_size, heads)
@@ -326,9 +332,14 @@ class _Outputs:
         self.habs = torch.empty(batch, heads, width, dtype=torch.float64)
         self.certificate = torch.empty(batch, heads, dtype=torch.float64)
         self.z_lb = torch.empty(batch, heads, dtype=torch.float64)
+        # the a-posteriori band pass's chunk states (empty without it)
+        like = lambda x: torch.empty_like(x) if band else x.new_empty(0)
+        self.band_m, self.band_l, self.band_o = like(self.m), like(self.l), like(self.o)
+        self.band_counts, self.band_mass = like(self.counts), like(self.mass)
 
     NAMES = ("s_dense", "sample", "ref", "z", "t", "gate", "m", "l", "o", "counts", "mass", "result", "per_head",
-             "per_req", "masses", "z_lb", "hist", "habs", "certificate")
+             "per_req", "masses", "z_lb", "hist", "habs", "certificate", "band_m", "band_l", "band_o", "band_counts",
+             "band_mass")
 
     def named(self) -> dict[str, torch.Tensor]:
         """The buffers by the names the compiled ops take them."""

@@ -146,6 +146,8 @@ class TritonDecode(DecodeImplementation):
             cls.reject("family", config.family, "the Triton kernels read grid codes")
         if config.policy == "certified" and config.certified_passes == 1 and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
+        if config.policy == "certified" and config.certified_rule != "histogram":
+            cls.reject("certified_rule", config.certified_rule, "its kernels certify against Z_lb (the histogram rule)")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
         """Copy the batch into the workspace (device ops only: the copies are captured and replayed

@@ -4,7 +4,9 @@ One request and one query head at a time, with every rule written out directly:
   1. Dense part D = sink pages ∪ recent pages ∪ tail; indexed part = the other full pages.
   2. Exact scores s_i = q·k_i; ref m = max over D ∪ sample; Z_lb = Σ_{D ∪ sample} e^{σ(s − m)}.
   3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first; with
-     ``certified_passes=1`` the provisional level where every head's dropped mass fits there).
+     ``certified_passes=1`` the provisional level where every head's dropped mass fits there;
+     with ``certified_rule="a_posteriori"`` the level that fits an estimate of Z, lowered where
+     its mass does not fit the exact mass Z_att of what the step attends there).
   4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
      set of every head of a GQA group is the union of the group's candidates, minus (value gate)
      candidates whose exact score is below the head's T (budget and fixed policies only).
@@ -57,7 +59,12 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     x_all = th.log_mass(scores, ref[:, None], sigma)
     z_lb = torch.where(known, torch.exp(x_all), 0.0).sum(1)
     pb, tb = _request_bounds(q, pages_row[indexed.start:indexed.stop].long(), store, h_q)
-    t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
+    if cfg.policy == "certified" and cfg.certified_rule == "a_posteriori" and len(idx_pos):
+        z_dense = torch.where(dense, torch.exp(x_all), 0.0).sum(1)
+        t, keep, dropped = _a_posteriori(pb, tb, x_all[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
+                                         groups)
+    else:
+        t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
     union = keep.view(h_kv, groups, -1).any(1).repeat_interleave(groups, dim=0)  # [H_q, n_idx]
     frac = union[::groups].float().mean() if union.numel() else torch.tensor(0.0)
     if union.numel() and frac > cfg.dense_fallback_fraction:
@@ -154,6 +161,46 @@ def _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
         keep[h] = keep_page.repeat_interleave(size) & ~(u[h] < t)
         dropped[h] = bound_at(float(th.EDGE_VALUES[edge])) if edge >= 0 else 0.0
         t_out[h] = t
+    return t_out, keep, dropped
+
+
+def _a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: LouverConfig, groups):
+    """The a-posteriori certified rule, one head at a time: T0 = the largest edge whose dropped
+    mass fits eps·Z_est (Z_est: ``estimate_share``·(the dense part + the sample scaled to the
+    indexed tokens), at least Z_lb); Z_att = the exact mass of the dense part and of the GQA
+    union of candidates at T0 (at least Z_lb); a head whose mass at T0 does not fit eps·Z_att
+    takes the largest edge that does. Returns T, the candidate mask ``[H_q, n_idx]`` (every
+    head's keys at its final T) and the certificate (the bound at the final edge)."""
+    size, h_q = cfg.page_size, pb.shape[0]
+    eps_budget = cfg.eps * th.BUDGET_SAFETY
+    pb_tok = pb.repeat_interleave(size, dim=1)
+    u = torch.minimum(tb, pb_tok)
+    x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
+    n_idx = u.shape[1]
+
+    def bound_at(h, e):
+        page_below = x_page[h] < e
+        tok_below = ~page_below.repeat_interleave(size) & (x_tok[h] < e)
+        return (size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)) * (1.0 + th.HIST_ROUNDING)
+
+    def keep_at(h, edge):
+        t = th.edge_threshold(torch.tensor(edge), ref[h], sigma)
+        return t, (~(pb[h] < t)).repeat_interleave(size) & ~(u[h] < t)
+
+    z_sample = z_lb - z_dense
+    z_est = torch.maximum(z_lb, cfg.estimate_share * (z_dense + z_sample * n_idx / max(n_sample, 1)))
+    first = [_largest_edge(lambda e, h=h: bound_at(h, e), eps_budget * z_est[h]) for h in range(h_q)]
+    keep0 = torch.stack([keep_at(h, first[h])[1] for h in range(h_q)])
+    union0 = keep0.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
+    z_att = torch.maximum(z_lb, z_dense + _mass(x_idx, union0))
+    t_out, keep = torch.empty(h_q), torch.zeros(u.shape, dtype=torch.bool)
+    dropped = torch.zeros(h_q, dtype=torch.float64)
+    for h in range(h_q):
+        edge = first[h]
+        if edge >= 0 and not bound_at(h, float(th.EDGE_VALUES[edge])) <= eps_budget * z_att[h]:
+            edge = _largest_edge(lambda e, h=h: bound_at(h, e), eps_budget * z_att[h])
+        t_out[h], keep[h] = keep_at(h, edge)
+        dropped[h] = bound_at(h, float(th.EDGE_VALUES[edge])) if edge >= 0 else 0.0
     return t_out, keep, dropped
 
 

@@ -18,7 +18,7 @@ import torch
 from ..config import LouverConfig
 from . import threshold as th
 from .contract import DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values
-from .filter import FilterResult, run_filter
+from .filter import FilterResult, a_posteriori_filter, a_posteriori_second, run_filter
 from .plan import plan_decode
 from .segments import exact_scores, seg_amax, seg_sum
 
@@ -54,9 +54,13 @@ def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=
     ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
-    union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
-    cand = _candidates(q32, k_cache, filt, plan, fallback)
+    if config.policy == "certified" and config.certified_rule == "a_posteriori":
+        filt, cand = _a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
+        union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
+    else:
+        filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
+        union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
+        cand = _candidates(q32, k_cache, filt, plan, fallback)
     gate = _value_gate(cand, filt, ex.ref, ex.z_dense, ex.z_lb, sigma, config, batch)
     result = _attend(q32, ex.s_dense, cand, gate, v_cache, plan, sigma, batch)
     result = _dense_for(fallback, result, q32, k_cache, v_cache, plan, sigma)
@@ -90,14 +94,68 @@ class _Candidates:
 
 
 def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) -> _Candidates:
+    """The GQA-union candidates of ``filt`` (none for ``fallback`` requests), scored exactly."""
+    h_kv = k_cache.shape[1]
+    keep = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, -1)
+    union = keep.any(-1) & ~fallback[plan.page_req[filt.surviving]][:, None, None]
+    return _score(q32, k_cache, union, filt.surviving, plan)
+
+
+def _union_rows(filt: FilterResult, plan: DecodePlan, h_kv: int) -> torch.Tensor:
+    """The GQA union of ``filt``'s candidates over every page row of the plan, ``[NP, P, H_kv]`` bool."""
+    full = torch.zeros(len(plan.page_ids), plan.page_size, h_kv, dtype=torch.bool)
+    full[filt.surviving] = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, -1).any(-1)
+    return full
+
+
+def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
+    """The a-posteriori certified rule (``filter.a_posteriori_filter`` / ``a_posteriori_second``):
+    candidates at the first level are scored, their exact mass with the dense part's is Z_att,
+    and the heads whose check fails add the band between the two levels (the final level's union
+    minus the first's: no key is scored twice). Returns (FilterResult at the final level,
+    candidates of both passes)."""
+    batch, heads = ex.ref.shape
+    h_kv = k_cache.shape[1]
+    pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
+    tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
+    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
+    first, level = a_posteriori_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
+    _, fallback = _fallback_mask(first, plan, h_kv, config)
+    cand = _candidates(q32, k_cache, first, plan, fallback)
+    z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
+    filt, band = a_posteriori_second(level, ex.ref, z_att, sigma, config)
+    if not bool(band.any()):
+        return filt, cand
+    _, fallback = _fallback_mask(filt, plan, h_kv, config)
+    extra = _union_rows(filt, plan, h_kv) & ~_union_rows(first, plan, h_kv)
+    extra &= ~fallback[plan.page_req][:, None, None]
+    return filt, _cat(cand, _score(q32, k_cache, extra, torch.arange(len(plan.page_ids)), plan))
+
+
+def _cat(a: _Candidates, b: _Candidates) -> _Candidates:
+    return _Candidates(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("slots", "kv_head", "req", "scores", "seg")))
+
+
+def _candidate_mass(cand: _Candidates, ref, sigma, batch, gate) -> torch.Tensor:
+    """Σ exp(σ(s − ref)) over candidate entries (those ``gate`` ``[Nc, G]`` attends, or all),
+    per (request, query head) ``[B, H_q]`` fp64."""
+    heads = ref.shape[1]
+    mass = torch.exp(th.log_mass(cand.scores, ref.view(-1)[cand.seg], sigma).clamp(max=700.0))
+    if gate is not None:
+        mass = mass * gate
+    out = torch.zeros(batch * heads, dtype=torch.float64)
+    return out.index_add_(0, cand.seg.reshape(-1), mass.reshape(-1)).view(batch, heads)
+
+
+def _score(q32, k_cache, union: torch.Tensor, rows: torch.Tensor, plan: DecodePlan) -> _Candidates:
+    """Exact scores of the union candidates ``union`` ``[len(rows), P, H_kv]`` bool over the plan's
+    page rows ``rows``: keys of candidates only."""
     batch, heads, dim = q32.shape
     h_kv = k_cache.shape[1]
     groups = heads // h_kv
-    keep = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, groups)
-    req_s = plan.page_req[filt.surviving]
-    union = keep.any(-1) & ~fallback[req_s][:, None, None]
+    req_s = plan.page_req[rows]
     page_row, offset, kv_head = union.nonzero(as_tuple=True)
-    slots = plan.page_ids[filt.surviving][page_row] * plan.page_size + offset
+    slots = plan.page_ids[rows][page_row] * plan.page_size + offset
     req = req_s[page_row]
     keys = k_cache[slots, kv_head].to(torch.float32)  # [Nc, D]  keys of candidates only
     q_rows = q32.view(batch, h_kv, groups, dim)[req, kv_head]  # [Nc, G, D]
@@ -120,16 +178,10 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     Only the budget and fixed policies gate: a certified step attends every candidate, so its
     bound is the index bound alone.
     """
-    heads = ref.shape[1]
     flat = cand.seg
-    x = th.log_mass(cand.scores, ref.view(-1)[flat], sigma)
-    mass = torch.exp(x.clamp(max=700.0))
-    z_cand = torch.zeros(batch * heads, dtype=torch.float64).index_add_(0, flat.reshape(-1), mass.reshape(-1))
-    z_final = torch.maximum(z_lb, z_dense + z_cand.view(batch, heads))
+    z_final = torch.maximum(z_lb, z_dense + _candidate_mass(cand, ref, sigma, batch, gate=None))
     below = cand.scores < th.gate_threshold(filt.threshold).view(-1)[flat]
-    gated = torch.zeros(batch * heads, dtype=torch.float64).index_add_(
-        0, flat.reshape(-1), (mass * below).reshape(-1)
-    ).view(batch, heads)
+    gated = _candidate_mass(cand, ref, sigma, batch, gate=below)
     allowed = torch.full_like(z_final, gates_values(config), dtype=torch.bool)
     attend = ~(below & allowed.view(-1)[flat])
     dropped = filt.dropped + gated * allowed

@@ -156,7 +156,56 @@ def certified_choice(pb: torch.Tensor, tok: torch.Tensor, page_req: torch.Tensor
         parts.append(torch.zeros(batch * heads * width, dtype=torch.float64, device=ref.device).index_add_(
             0, index.reshape(-1), mass.reshape(-1)).view(batch, heads, width))
     hist, habs = parts[0] + parts[1] - parts[2], parts[0] + parts[1] + parts[2]
-    bound = (hist.cumsum(-1) + rounding * habs.cumsum(-1))[..., :edges.count]
+    bound = histogram_bound(hist, habs, rounding, edges)
     edge = pick_edge(bound, eps_budget * z_lb)
     cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
     return edge_threshold(edge, ref, sigma, edges), cert, hist, habs
+
+
+def histogram_bound(hist: torch.Tensor, habs: torch.Tensor, rounding: float,
+                    edges: ThresholdEdges = EDGES) -> torch.Tensor:
+    """The certified bound on the mass dropped at each edge, ``[B, H_q, edges.count]`` fp64, from
+    the histograms of ``certified_choice``: the cumulative sum plus the bound on its rounding.
+    Non-decreasing along the edges (raising the level only drops more)."""
+    return (hist.cumsum(-1) + rounding * habs.cumsum(-1))[..., :edges.count]
+
+
+def estimated_z(z_dense: torch.Tensor, z_sample: torch.Tensor, num_indexed: torch.Tensor,
+                num_samples: torch.Tensor, share: float) -> torch.Tensor:
+    """The a-posteriori rule's estimate of the softmax denominator, ``[B, H_q]`` fp64: the dense
+    part plus the sample's exact mass scaled to the indexed tokens (n/M), times ``share``, and
+    never below the exact lower bound z_dense + z_sample (so the first level is never below the
+    histogram rule's). z_dense, z_sample ``[B, H_q]`` fp64; counts ``[B]`` int."""
+    n = num_indexed.to(torch.float64)[:, None]
+    m = num_samples.to(torch.float64).clamp(min=1)[:, None]
+    z_lb = z_dense + z_sample
+    return torch.maximum(z_lb, share * (z_dense + z_sample * (n / m)))
+
+
+def a_posteriori_first(bound: torch.Tensor, ref: torch.Tensor, z_est: torch.Tensor, sigma: float,
+                       eps_budget: float, edges: ThresholdEdges = EDGES) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first level of the a-posteriori rule: the largest edge whose dropped-mass bound fits
+    eps_budget·z_est. bound ``[B, H_q, E]`` (``histogram_bound``), ref ``[B, H_q]`` fp32,
+    z_est ``[B, H_q]`` fp64 -> (edge index ``[B, H_q]`` int64, T0 ``[B, H_q]`` fp32)."""
+    edge = pick_edge(bound, eps_budget * z_est)
+    return edge, edge_threshold(edge, ref, sigma, edges)
+
+
+def a_posteriori_second(bound: torch.Tensor, edge0: torch.Tensor, ref: torch.Tensor, z_att: torch.Tensor,
+                        sigma: float, eps_budget: float, edges: ThresholdEdges = EDGES):
+    """The check and the second level of the a-posteriori rule (design notes, "Certified a
+    posteriori"). z_att ``[B, H_q]`` fp64 is the exact Σ exp(σ(s − ref)) over every key the first
+    pass attended (the dense part and the GQA union of candidates at T0; at least the exact
+    part's lower bound): a lower bound on the softmax denominator. Where bound(T0) fits
+    eps_budget·z_att the head is certified at T0; elsewhere T1 is the largest edge whose bound
+    fits eps_budget·z_att (T1 < T0, certified by construction, since the band's keys only add
+    to z_att). A head whose first edge is −1 (no edge fits) keeps it: T = −inf drops nothing.
+
+    Returns (edge ``[B, H_q]`` int64, T ``[B, H_q]`` fp32, certificate ``[B, H_q]`` fp64 = the
+    bound at the final edge (0 at −1), band ``[B, H_q]`` bool: heads whose level was lowered)."""
+    fits = bound.gather(-1, edge0.clamp(min=0)[..., None])[..., 0] <= eps_budget * z_att
+    lowered = pick_edge(bound, eps_budget * z_att)
+    band = (edge0 >= 0) & ~fits
+    edge = torch.where(band, lowered, edge0)
+    cert = torch.where(edge < 0, 0.0, bound.gather(-1, edge.clamp(min=0)[..., None])[..., 0])
+    return edge, edge_threshold(edge, ref, sigma, edges), cert, band
