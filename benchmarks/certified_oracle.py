@@ -40,7 +40,7 @@ from louver_sgl.data.paged import load_trace
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 
-SHARES = (1.0, 0.75, 0.5, 0.25)
+SHARES = (2.0, 1.0, 0.75, 0.5)
 
 
 def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float) -> dict:

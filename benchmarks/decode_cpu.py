@@ -42,6 +42,14 @@ POLICIES = {
     # the one-pass certified rule (design notes, "Certified in one pass")
     "certified-1e-2-one-pass": {"policy": "certified", "eps": 1e-2, "certified_passes": 1},
     "certified-1e-3-one-pass": {"policy": "certified", "eps": 1e-3, "certified_passes": 1},
+    # the a-posteriori certified rule (design notes, "Certified a posteriori")
+    "certified-1e-2-a-posteriori": {"policy": "certified", "eps": 1e-2, "certified_rule": "a_posteriori"},
+    "certified-1e-3-a-posteriori": {"policy": "certified", "eps": 1e-3, "certified_rule": "a_posteriori"},
+    "certified-1e-4-a-posteriori": {"policy": "certified", "eps": 1e-4, "certified_rule": "a_posteriori"},
+    "certified-1e-2-a-posteriori-s2": {"policy": "certified", "eps": 1e-2, "certified_rule": "a_posteriori",
+                                       "estimate_share": 2.0},
+    "certified-1e-3-a-posteriori-s2": {"policy": "certified", "eps": 1e-3, "certified_rule": "a_posteriori",
+                                       "estimate_share": 2.0},
 }
 INDEXES = {
     "grid-8bit": {"family": "grid", "grid_bits": 8},
@@ -249,7 +257,8 @@ def plot(results: dict, path: Path) -> None:
     batches = sorted({c["batch"] for c in results["cases"]})
     indexes = list(dict.fromkeys(r["index"] for c in results["cases"] for r in c["louver"]))
     styles = dict(zip(indexes, ("-o", "--s", "-.^", ":x")))
-    colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
+    palette = plt.get_cmap("tab20").colors
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(POLICIES)}
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), sharey=True, squeeze=False)
     for ax, batch in zip(axes[0], batches):
         cases = [c for c in results["cases"] if c["batch"] == batch]

@@ -166,7 +166,7 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     policy = dict(sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4, page_size=16)
     index = dict(zip(("lo", "scale", "radius", "codes"), index))
     fused = {k: v for k, v in a.named().items() if k not in ("z_lb", "hist", "habs", "certificate")
-             and not k.startswith("band_")}
+             and not k.startswith(("band_", "reserve_"))}
     OPS.fused_step(q=q.float().contiguous(), k_cache=k, v_cache=v, **index, **plan_tensors, **policy, **fused)
     want, want_any = step_stats_reference(a.t, a.z, *a.totals, torch.empty(0, dtype=torch.float64),
                                           plan.num_indexed, 0.02, 2)

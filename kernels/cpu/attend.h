@@ -31,13 +31,21 @@ struct AttendArgs {
   // page row's request attended that token of the page (after the value gate); written by the
   // runner that owns the (page row, KV head), so threads never share a byte
   uint8_t* attended = nullptr;
-  // the band pass of the a-posteriori certified rule (null otherwise). t_upper [B, H_q]: the first
-  // pass's levels; a token that some head's bound reaches there was attended by the first pass
-  // and is no candidate again (no key is scored twice). A page a head keeps at t but not at
-  // t_upper counts −1 skipped for it, so that the two passes' counts add up to the final level's.
-  // band_req [B]: requests with a lowered head; the other requests' chunks write an empty state
-  // without reading a page.
-  const float* t_upper = nullptr;
+  // The a-posteriori certified rule (null / false otherwise). First pass: t_reserve [B, H_q], the
+  // histogram rule's level (the lowest the second level can reach). Pages some head keeps at
+  // t_reserve are scanned, and their tokens that are no candidates at t but whose bound (the
+  // token bound, at most the page bound) reaches t_reserve for some head go to the reserve with
+  // those bounds per head; page_bound_out [NP, H_q] receives every page bound. Band pass (band):
+  // the candidates are the reserve's tokens whose bound reaches the lowered t for some head: no
+  // code is read again and no key is scored twice. band_req [B]: requests with a lowered head
+  // (the other requests' chunks write an empty state). The reserve of chunk c and KV head k
+  // starts at entry (chunk_begin[c]·H_kv + k·(chunk_end[c] − chunk_begin[c]))·P: slot [E] i64,
+  // pos [E] i64 (page row · P + offset), bound [E, G] f32; count [NC, H_kv] i64.
+  const float* t_reserve = nullptr;
+  float* page_bound_out = nullptr;
+  int64_t *reserve_slot = nullptr, *reserve_pos = nullptr, *reserve_count = nullptr;
+  float* reserve_bound = nullptr;
+  bool band = false;
   const uint8_t* band_req = nullptr;
 };
 
@@ -72,7 +80,9 @@ struct ChunkRunner {
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
   std::vector<int64_t> drop_count, cand_slot, value_rows, cand_pos;  // cand_pos: only with a.attended
-  std::vector<char> keep_page, keep_upper;  // keep_upper: the band pass's first-level page gate
+  std::vector<char> keep_page, keep_res;  // keep_res: the page reaches t_reserve for the head
+  std::vector<float> res_ub;  // [G, 16] the scanned block's token bounds (reserve entries)
+  int64_t res_base = 0, res_n = 0;  // this chunk's reserve region and its entries
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
   int64_t page_row = 0;  // the page row open_page last saw
@@ -89,8 +99,17 @@ struct ChunkRunner {
         weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
         wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
-        value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_upper(args.groups, 0),
-        st(args.groups) {}
+        value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_res(args.groups, 0),
+        res_ub(16 * args.groups), st(args.groups) {
+    set_reserve(chunk);
+  }
+
+  // The reserve region of chunk ``chunk`` for this runner's KV head (AttendArgs::t_reserve).
+  void set_reserve(int64_t chunk) {
+    const int64_t first = a.chunk_begin[chunk], pages = a.chunk_end[chunk] - first;
+    res_base = (first * a.h_kv + k * pages) * a.page_size;
+    res_n = 0;
+  }
 
   static int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -108,6 +127,7 @@ struct ChunkRunner {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(st.begin(), st.end(), HeadState{});
     n_cand = n_union = n_values = n_pages_read = 0;
+    set_reserve(chunk);
   }
 
   // Page bounds of page row i; if some head of the group keeps the page, its token weights are
@@ -121,19 +141,19 @@ struct ChunkRunner {
     open = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
-      if (a.t_upper) {  // the band pass: the first pass counted this page's skips and masses
-        keep_upper[g] = !(pb[g] < a.t_upper[head0 + g]);
-        if (keep_page[g] && !keep_upper[g]) st[g].skipped -= 1;
-      } else if (!keep_page[g]) {
+      keep_res[g] = a.t_reserve && !(pb[g] < a.t_reserve[head0 + g]);
+      if (a.page_bound_out) a.page_bound_out[i * a.h_q + k * G + g] = pb[g];
+      if (!keep_page[g]) {
         st[g].skipped += 1;
         st[g].mass[0] += double(a.page_size) * rel_mass(a.sigma, pb[g], a.ref[head0 + g]);
       }
-      open |= keep_page[g];
+      open |= keep_page[g] || keep_res[g];
     }
     if (!open) return false;
     ++n_pages_read;
     for (int64_t g = 0; g < G; ++g) {
-      if (keep_page[g]) off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
+      if (keep_page[g] || keep_res[g])
+        off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
       std::fill(drop_lanes.begin() + 16 * g, drop_lanes.begin() + 16 * (g + 1), -INFINITY);
@@ -169,10 +189,15 @@ struct ChunkRunner {
     const int64_t G = a.groups;
     __m512i dots[8];
     dot_block16(a.codes, first + p, k, a.bits, a.dim, wsplit.data(), wsplit8.data(), G, dots);
-    uint32_t cand = 0, upper = 0;
+    uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
-      if (!keep_page[g]) continue;
+      if (!keep_page[g] && !keep_res[g]) continue;
       const __m512 ub = token_bounds16(off[g], step[g], dots[g]);
+      if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
+        res |= static_cast<uint16_t>(~_mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t_reserve[head0 + g]), _CMP_LT_OQ));
+        _mm512_storeu_ps(res_ub.data() + 16 * g, ub);
+      }
+      if (!keep_page[g]) continue;
       const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
       if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
@@ -180,21 +205,25 @@ struct ChunkRunner {
         _mm512_storeu_ps(drop_lanes.data() + 16 * g, _mm512_mask_max_ps(seen, drop, seen, ub));
       }
       cand |= static_cast<uint32_t>(static_cast<uint16_t>(~drop));
-      if (keep_upper[g])  // band pass: the first pass's candidates
-        upper |= static_cast<uint16_t>(~_mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t_upper[head0 + g]), _CMP_LT_OQ));
     }
-    cand &= ~upper;
+    for (res &= ~cand; res; res &= res - 1) reserve(first + p + __builtin_ctz(res), res_ub.data() + __builtin_ctz(res), 16);
     for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
     dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), G, dots);
-    uint32_t cand = 0, upper = 0;
+    uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
-      if (!keep_page[g]) continue;
+      if (!keep_page[g] && !keep_res[g]) continue;
       const __m256 t = _mm256_set1_ps(a.t[head0 + g]);
       for (int h = 0; h < 2; ++h) {
         const __m256 ub = token_bounds8(off[g], step[g], _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h)));
+        if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
+          const __m256 low = _mm256_cmp_ps(ub, _mm256_set1_ps(a.t_reserve[head0 + g]), _CMP_LT_OQ);
+          res |= (~static_cast<uint32_t>(_mm256_movemask_ps(low)) & 0xFFu) << (8 * h);
+          _mm256_storeu_ps(res_ub.data() + 16 * g + 8 * h, ub);
+        }
+        if (!keep_page[g]) continue;
         const __m256 below = _mm256_cmp_ps(ub, t, _CMP_LT_OQ);  // NaN keeps
         const uint32_t drop = static_cast<uint32_t>(_mm256_movemask_ps(below));
         if (drop) {  // the largest dropped bound per lane, as the 16-lane version
@@ -204,13 +233,9 @@ struct ChunkRunner {
           _mm256_storeu_ps(lanes, _mm256_blendv_ps(seen, _mm256_max_ps(seen, ub), below));
         }
         cand |= (~drop & 0xFFu) << (8 * h);
-        if (keep_upper[g]) {  // band pass: the first pass's candidates
-          const __m256 up = _mm256_cmp_ps(ub, _mm256_set1_ps(a.t_upper[head0 + g]), _CMP_LT_OQ);
-          upper |= (~static_cast<uint32_t>(_mm256_movemask_ps(up)) & 0xFFu) << (8 * h);
-        }
       }
     }
-    cand &= ~upper;
+    for (res &= ~cand; res; res &= res - 1) reserve(first + p + __builtin_ctz(res), res_ub.data() + __builtin_ctz(res), 16);
     for (; cand; cand &= cand - 1) add_candidate(first + p + __builtin_ctz(cand));
 #else
     (void)first;
@@ -231,19 +256,24 @@ struct ChunkRunner {
       } else {
         for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
       }
-      bool cand = false, upper = false;
+      bool cand = false, res = false;
       for (int64_t g = 0; g < G; ++g) {
-        if (!keep_page[g]) continue;
+        if (!keep_page[g] && !keep_res[g]) continue;
         const float ub = token_bound(off[g], step[g], idot[g]);
+        if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
+          res |= !(ub < a.t_reserve[head0 + g]);
+          res_ub[g] = ub;
+        }
+        if (!keep_page[g]) continue;
         if (ub < a.t[head0 + g]) {
           ++drop_count[g];
           drop_max[g] = std::max(drop_max[g], ub);
         } else {
           cand = true;  // NaN keeps
         }
-        upper |= keep_upper[g] && !(ub < a.t_upper[head0 + g]);  // band pass: the first pass's candidate
       }
-      if (cand && !upper) add_candidate(first + p);
+      if (cand) add_candidate(first + p);
+      else if (res) reserve(first + p, res_ub.data(), 1);
     }
   }
 
@@ -254,6 +284,36 @@ struct ChunkRunner {
     if (a.attended) cand_pos[n_cand] = page_row * a.page_size + slot - a.page_ids[page_row] * a.page_size;
     cand_slot[n_cand++] = slot;
     prefetch_bytes_l2(kc + (slot * a.h_kv + k) * a.dim, a.dim * static_cast<int64_t>(sizeof(KV)));
+  }
+
+  // A token of the open page into the reserve (AttendArgs::t_reserve): its slot, position and per
+  // head the bound the band gates with, ub[g · stride] at most the page bound (NaN stays NaN, and
+  // keeps); a head whose page bound is below t_reserve keeps its page bound, below every level the
+  // band can take.
+  void reserve(int64_t slot, const float* ub, int64_t stride) {
+    const int64_t e = res_base + res_n++, G = a.groups;
+    a.reserve_slot[e] = slot;
+    a.reserve_pos[e] = page_row * a.page_size + slot - a.page_ids[page_row] * a.page_size;
+    for (int64_t g = 0; g < G; ++g) {
+      const float u = ub[g * stride], page = pb[g];
+      a.reserve_bound[e * G + g] = !keep_res[g] ? page : (std::isnan(u) || std::isnan(page)) ? NAN : std::min(u, page);
+    }
+  }
+
+  // The band pass over this chunk's reserve: the tokens whose bound reaches the lowered T for some
+  // head of the group, scored and attended in batches.
+  void run_reserve(int64_t chunk) {
+    const int64_t G = a.groups, n = a.reserve_count[chunk * a.h_kv + k];
+    for (int64_t e = res_base; e < res_base + n; ++e) {
+      bool on = false;
+      for (int64_t g = 0; g < G; ++g) on |= !(a.reserve_bound[e * G + g] < a.t[head0 + g]);  // NaN keeps
+      if (!on) continue;
+      if (a.attended) cand_pos[n_cand] = a.reserve_pos[e];
+      cand_slot[n_cand++] = a.reserve_slot[e];
+      prefetch_bytes_l2(kc + (a.reserve_slot[e] * a.h_kv + k) * a.dim, a.dim * static_cast<int64_t>(sizeof(KV)));
+      if (n_cand == cap) flush();
+    }
+    flush();
   }
 
   static void prefetch_row(const KV* row, int64_t n) { prefetch_bytes(row, n * static_cast<int64_t>(sizeof(KV))); }
@@ -269,7 +329,7 @@ struct ChunkRunner {
   // which is scored and attended (flush) once another page might not fit or the chunk ends.
   void end_page() {
     for (int64_t g = 0; g < a.groups; ++g) {
-      if (!drop_count[g] || a.t_upper) continue;  // the band pass: the first pass accounted drops
+      if (!drop_count[g]) continue;
       float top = drop_max[g];  // the per-token path's; the 16-token blocks' are in drop_lanes
       for (int i = 0; i < 16; ++i) top = std::max(top, drop_lanes[16 * g + i]);
       st[g].mass[0] += double(drop_count[g]) * rel_mass(a.sigma, top, a.ref[head0 + g]);
@@ -682,7 +742,13 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
     } else {
       for (auto& r : runners) r.reset(c);
     }
-    if (!a.band_req || a.band_req[a.chunk_req[c]]) run_chunk(runners, a, c);  // else an empty state
+    if (!a.band) {
+      run_chunk(runners, a, c);
+    } else if (a.band_req[a.chunk_req[c]]) {  // the other requests' chunks: an empty state
+      for (auto& r : runners) r.run_reserve(c);
+    }
+    if (a.t_reserve)
+      for (int64_t k = 0; k < a.h_kv; ++k) a.reserve_count[c * a.h_kv + k] = runners[k].res_n;
     for (int64_t k = 0; k < a.h_kv; ++k) {
       const int64_t task = c * a.h_kv + k, base = task * G;
       runners[k].write(a.m_out + base, a.l_out + base, a.o_out + base * a.dim_v, a.counts + task * (2 * G + 3),

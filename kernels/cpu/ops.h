@@ -51,6 +51,9 @@ struct StepPlan {
   // the a-posteriori rule's band pass: chunk states shaped like m, l, o, counts and mass (empty
   // when the layer's policy has no band pass)
   torch::Tensor band_m, band_l, band_o, band_counts, band_mass;
+  // and the first pass's page bounds [NP, H_q] f32 and reserve (AttendArgs::t_reserve): slot, pos
+  // [NP·P·H_kv] i64, bound [NP·P·H_kv, G] f32, count [NC, H_kv] i64
+  torch::Tensor band_pb, reserve_slot, reserve_pos, reserve_bound, reserve_count;
 };
 
 // The layer side, made once per layer: its KV caches, its index (lo, scale, radius, codes) and the
@@ -63,7 +66,7 @@ struct StepPlan {
 // whose check fails take that certified pass and a second attend pass; with a_posteriori the
 // certified pass picks the first level against the estimate of Z (estimate_share), and heads whose
 // certificate does not fit the exact mass of what the attend pass attended are lowered, their
-// band attended by a second attend pass into the plan's band buffers). run(q, plan, out) is
+// band attended from the first pass's reserve into the plan's band buffers). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
 // output in out (or a new tensor of q's dtype), in one call (attended, debug only: a u8 [NP, P, H_q]
 // buffer the attend pass fills with the keys it attended, see AttendArgs::attended): at batch 1 each Python-level op or

@@ -193,11 +193,42 @@ void estimated_z(StepPlan& p, double share, double* z_est) {
 // head whose certificate (the bound at its first level) does not fit eps_budget·Z_att takes the
 // largest edge whose bound (the histogram's cumulative sums) does, its certificate that bound (T
 // = −inf and 0 where none fits). Returns per request whether some head was lowered.
+// The largest edge whose bound (the cumulative histogram of row i, threshold.histogram_bound) fits
+// budget, and that bound (−1 and 0 where none does).
+int64_t fitting_edge(const StepPlan& p, int64_t i, double budget, double rounding, const Edges& edges, double* fit) {
+  const int64_t W = p.hist.size(2);
+  const double *hist = p.hist.data_ptr<double>() + i * W, *habs = p.habs.data_ptr<double>() + i * W;
+  double cum = 0.0, cum_abs = 0.0;
+  int64_t edge = -1;
+  *fit = 0.0;
+  for (int64_t j = 0; j < std::min<int64_t>(W, edges.count); ++j) {
+    cum += hist[j];
+    cum_abs += habs[j];
+    const double bound = cum + rounding * cum_abs;
+    if (bound <= budget) edge = j, *fit = bound;
+  }
+  return edge;
+}
+
+// The histogram rule's levels (Z_lb of the exact part) [B·H_q]: the lowest the a-posteriori second
+// level can reach (Z_att >= Z_lb), so the first pass keeps every token above them in its reserve.
+std::vector<float> histogram_levels(const StepPlan& p, double sigma, double eps_budget, double rounding,
+                                    const Edges& edges) {
+  const int64_t n = p.q32.size(0) * p.q32.size(1);
+  const double* z = p.z.data_ptr<double>();
+  const float* ref = p.ref.data_ptr<float>();
+  std::vector<float> levels(n);
+  double fit;
+  for (int64_t i = 0; i < n; ++i)
+    levels[i] = edge_threshold(fitting_edge(p, i, eps_budget * (z[2 * i] + z[2 * i + 1]), rounding, edges, &fit),
+                               ref[i], sigma, edges);
+  return levels;
+}
+
 std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_budget, double rounding,
                                        const Edges& edges) {
-  const int64_t B = p.q32.size(0), H = p.q32.size(1), W = p.hist.size(2);
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double *z = p.z.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
-  const double *hist = p.hist.data_ptr<double>(), *habs = p.habs.data_ptr<double>();
   const float* ref = p.ref.data_ptr<float>();
   float* t = p.t.data_ptr<float>();
   double* cert = p.certificate.data_ptr<double>();
@@ -207,14 +238,8 @@ std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_bud
       const int64_t i = b * H + h;
       const double z_att = std::max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
       if (t[i] == -INFINITY || cert[i] <= eps_budget * z_att) continue;  // certified at the first level
-      double cum = 0.0, cum_abs = 0.0, fit = 0.0;
-      int64_t edge = -1;
-      for (int64_t j = 0; j < std::min<int64_t>(W, edges.count); ++j) {
-        cum += hist[i * W + j];
-        cum_abs += habs[i * W + j];
-        const double bound = cum + rounding * cum_abs;
-        if (bound <= eps_budget * z_att) edge = j, fit = bound;
-      }
+      double fit;
+      const int64_t edge = fitting_edge(p, i, eps_budget * z_att, rounding, edges, &fit);
       t[i] = edge_threshold(edge, ref[i], sigma, edges);
       cert[i] = edge < 0 ? 0.0 : fit;
       band[b] = 1;
@@ -244,6 +269,22 @@ void combine_band(StepPlan& p) {
   for (int64_t i = 0; i < p.mass.numel(); ++i) mass[i] += bmass[i];
 }
 
+// Pages skipped at the first level but kept at the lowered one, per (request, head) [B·H_q]: the
+// band pass reads no page, so the first pass's skip counts drop by these.
+std::vector<int64_t> unskipped_pages(const StepPlan& p, const torch::Tensor& t0) {
+  const int64_t H = p.q32.size(1), n = p.page_ids.size(0);
+  const float *pb = p.band_pb.data_ptr<float>(), *t1 = p.t.data_ptr<float>(), *first = t0.data_ptr<float>();
+  const int64_t* req = p.page_req.data_ptr<int64_t>();
+  std::vector<int64_t> count(p.q32.size(0) * H, 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r = req[i] * H + h;
+      const float x = pb[i * H + h];
+      count[r] += x < first[r] && !(x < t1[r]);
+    }
+  return count;
+}
+
 }  // namespace
 
 StepPlan::StepPlan(Named& n) {
@@ -257,15 +298,21 @@ StepPlan::StepPlan(Named& n) {
   per_head = n.tensor("per_head"), per_req = n.tensor("per_req"), masses = n.tensor("masses");
   z_lb = n.tensor("z_lb"), hist = n.tensor("hist"), habs = n.tensor("habs"), certificate = n.tensor("certificate");
   band_m = n.tensor("band_m"), band_l = n.tensor("band_l"), band_o = n.tensor("band_o");
-  band_counts = n.tensor("band_counts"), band_mass = n.tensor("band_mass");
+  band_counts = n.tensor("band_counts"), band_mass = n.tensor("band_mass"), band_pb = n.tensor("band_pb");
+  reserve_slot = n.tensor("reserve_slot"), reserve_pos = n.tensor("reserve_pos");
+  reserve_bound = n.tensor("reserve_bound"), reserve_count = n.tensor("reserve_count");
   n.done();
-  for (const auto* x : {&band_m, &band_l, &band_o}) check_buffer(*x, at::kFloat, "a band buffer");
-  check_buffer(band_counts, at::kLong, "band_counts");
+  for (const auto* x : {&band_m, &band_l, &band_o, &band_pb, &reserve_bound}) check_buffer(*x, at::kFloat, "a band buffer");
+  for (const auto* x : {&band_counts, &reserve_slot, &reserve_pos, &reserve_count}) check_buffer(*x, at::kLong, "a band buffer");
   check_buffer(band_mass, at::kDouble, "band_mass");
   const bool band = band_m.numel() > 0;
   TORCH_CHECK(!band || (band_m.sizes() == m.sizes() && band_l.sizes() == l.sizes() && band_o.sizes() == o.sizes() &&
-                        band_counts.sizes() == counts.sizes() && band_mass.sizes() == mass.sizes()),
-              "StepPlan: the band buffers must be empty or shaped like m, l, o, counts and mass");
+                        band_counts.sizes() == counts.sizes() && band_mass.sizes() == mass.sizes() &&
+                        band_pb.numel() == page_ids.size(0) * q32.size(1) &&
+                        reserve_slot.numel() == reserve_pos.numel() &&
+                        reserve_bound.numel() == reserve_slot.numel() * (q32.size(1) / counts.size(1)) &&
+                        reserve_count.numel() == chunk_req.size(0) * counts.size(1)),
+              "StepPlan: the band buffers must be empty or shaped for the plan (see ops.h)");
   for (const auto* x : {&dense_slots, &dense_req, &sample_slots, &sample_req, &page_ids, &chunk_req, &chunk_begin,
                         &chunk_end, &num_indexed, &page_req})
     check_buffer(*x, at::kLong, "a plan tensor");
@@ -336,6 +383,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                                  p.result);
   const bool certified = eps_budget >= 0;
   bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
+  std::vector<int64_t> unskipped;  // a-posteriori: pages the lowered levels keep, per (request, head)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
     const auto run = [&](int phases) {
       if ((phases & kAttendMerge) && attended.has_value()) attended->zero_();  // the last attend pass's set
@@ -359,13 +407,21 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       estimated_z(p, estimate_share, z_est.data_ptr<double>());
       c.z_lb = z_est;
       run_certified_pass(c);
-      run(kAttend);
+      const std::vector<float> reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
+      AttendArgs first = a;  // at T0, keeping in the reserve what the band may need
+      first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
+      first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
+      first.reserve_bound = p.reserve_bound.data_ptr<float>(), first.reserve_count = p.reserve_count.data_ptr<int64_t>();
+      if (attended.has_value()) attended->zero_();
+      run_phases(e, first, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
+                 static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
       const torch::Tensor t0 = p.t.clone();
       const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
       if (std::find(band.begin(), band.end(), 1) != band.end()) {
-        AttendArgs ab = a;  // the band: keys at the lowered levels that the first pass did not attend
-        ab.t_upper = t0.data_ptr<float>(), ab.band_req = band.data();
+        AttendArgs ab = first;  // the band: the reserve's keys at the lowered levels
+        ab.t_reserve = nullptr, ab.page_bound_out = nullptr, ab.band = true, ab.band_req = band.data();
         ab.m_out = p.band_m.data_ptr<float>(), ab.l_out = p.band_l.data_ptr<float>();
         ab.o_out = p.band_o.data_ptr<float>(), ab.counts = p.band_counts.data_ptr<int64_t>();
         ab.mass = p.band_mass.data_ptr<double>();
@@ -373,6 +429,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                    scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
                    static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kAttend);
         combine_band(p);
+        unskipped = unskipped_pages(p, t0);
       }
       run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
                  scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
@@ -397,6 +454,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     run(kAttendMerge);
   });
   if (!totals_summed) chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+  int64_t* per_head = p.per_head.data_ptr<int64_t>();
+  for (int64_t i = 0; i < static_cast<int64_t>(unskipped.size()); ++i) per_head[2 * i + 1] -= unskipped[i];
   torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
                                      p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(),

@@ -148,8 +148,9 @@ class CpuDecode(DecodeImplementation):
 
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
+            band = (len(plan.page_ids), plan.page_size) if has_band_pass(self.config) else None
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
-                            self.config.sample_size, band=has_band_pass(self.config))
+                            self.config.sample_size, band=band)
             return _step_plan(self.ops, plan, chunks, part, dim)
 
         return plan.cached(key, make)
@@ -310,7 +311,7 @@ class _Outputs:
     """The compiled step's output buffers (made once per plan, see ``CpuDecode``; shapes in the op
     comments)."""
 
-    def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size, band: bool = False):
+    def __init__(self, batch, heads, h_kv, d_v, n_chunks, n_dense, sample_size, band: tuple | None = None):
         groups = heads // h_kv
         self.s_dense = torch.empty(n_dense, heads)
         self.sample = torch.empty(batch, sample_size, heads)
@@ -332,14 +333,22 @@ class _Outputs:
         self.habs = torch.empty(batch, heads, width, dtype=torch.float64)
         self.certificate = torch.empty(batch, heads, dtype=torch.float64)
         self.z_lb = torch.empty(batch, heads, dtype=torch.float64)
-        # the a-posteriori band pass's chunk states (empty without it)
+        # the a-posteriori band pass (band = (page rows, page size), else None): its chunk states,
+        # the first pass's page bounds and its reserve (ops.h, StepPlan; empty without it)
         like = lambda x: torch.empty_like(x) if band else x.new_empty(0)
         self.band_m, self.band_l, self.band_o = like(self.m), like(self.l), like(self.o)
         self.band_counts, self.band_mass = like(self.counts), like(self.mass)
+        rows, size = band or (0, 0)
+        entries = rows * size * h_kv
+        self.band_pb = torch.empty(rows, heads)
+        self.reserve_slot = torch.empty(entries, dtype=torch.long)
+        self.reserve_pos = torch.empty(entries, dtype=torch.long)
+        self.reserve_bound = torch.empty(entries, groups)
+        self.reserve_count = torch.empty(n_chunks if band else 0, h_kv, dtype=torch.long)
 
     NAMES = ("s_dense", "sample", "ref", "z", "t", "gate", "m", "l", "o", "counts", "mass", "result", "per_head",
              "per_req", "masses", "z_lb", "hist", "habs", "certificate", "band_m", "band_l", "band_o", "band_counts",
-             "band_mass")
+             "band_mass", "band_pb", "reserve_slot", "reserve_pos", "reserve_bound", "reserve_count")
 
     def named(self) -> dict[str, torch.Tensor]:
         """The buffers by the names the compiled ops take them."""
