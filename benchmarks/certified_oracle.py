@@ -40,7 +40,7 @@ from louver_sgl.data.paged import load_trace
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 
-SHARES = (2.0, 1.0, 0.75, 0.5)
+SHARES = (4.0, 3.0, 2.0, 1.0, 0.5)
 
 
 def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float) -> dict:
@@ -171,6 +171,26 @@ def summarize(rows: list[dict]) -> list[dict]:
     return table
 
 
+def markdown(table: list[dict], rules: list[str]) -> str:
+    """The docs table: one row per (trace, eps), kept fraction (× the oracle's) per rule, and how
+    often the band pass ran (query heads, steps) for the a-posteriori rules."""
+    cells: dict[tuple, dict] = {}
+    for row in table:
+        cells.setdefault((row["trace"], row["eps"]), {})[row["rule"]] = row
+    head = "| trace | ε | " + " | ".join(rules) + " |"
+    lines = [head, "|" + "---|" * (len(rules) + 2)]
+    for (trace, eps), by_rule in cells.items():
+        out = []
+        for rule in rules:
+            r = by_rule[rule]
+            text = f"{100 * r['kept_fraction']:.1f} % ({r['vs_oracle']:.2f}x)"
+            if rule.startswith("a_posteriori"):
+                text += f", band {100 * r['band_head_share']:.0f} % / {100 * r['band_step_share']:.0f} %"
+            out.append(text)
+        lines.append(f"| {trace} | {eps:g} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="+", required=True)
@@ -178,7 +198,16 @@ def main() -> None:
     parser.add_argument("--grid-bits", type=int, default=LouverConfig.grid_bits)
     parser.add_argument("--page-size", type=int, default=LouverConfig.page_size)
     parser.add_argument("--out", default="benchmarks/results/certified_oracle.json")
+    parser.add_argument("--markdown", nargs="*", metavar="RULE",
+                        help="print the docs table of --out for these rules (default: histogram, "
+                             "a_posteriori at the default share, exact_z, oracle) and exit")
     args = parser.parse_args()
+    if args.markdown is not None:
+        share = f"a_posteriori-{LouverConfig.estimate_share:g}"
+        rules = args.markdown or ["histogram", share, "exact_z", "oracle"]
+        key = f"grid{args.grid_bits}-p{args.page_size}"
+        print(markdown(json.loads(Path(args.out).read_text())[key]["summary"], rules))
+        return
     config = LouverConfig(page_size=args.page_size, grid_bits=args.grid_bits, policy="certified")
     start = time.time()
     rows = []

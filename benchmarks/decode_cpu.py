@@ -46,10 +46,10 @@ POLICIES = {
     "certified-1e-2-a-posteriori": {"policy": "certified", "eps": 1e-2, "certified_rule": "a_posteriori"},
     "certified-1e-3-a-posteriori": {"policy": "certified", "eps": 1e-3, "certified_rule": "a_posteriori"},
     "certified-1e-4-a-posteriori": {"policy": "certified", "eps": 1e-4, "certified_rule": "a_posteriori"},
-    "certified-1e-2-a-posteriori-s2": {"policy": "certified", "eps": 1e-2, "certified_rule": "a_posteriori",
-                                       "estimate_share": 2.0},
-    "certified-1e-3-a-posteriori-s2": {"policy": "certified", "eps": 1e-3, "certified_rule": "a_posteriori",
-                                       "estimate_share": 2.0},
+    "certified-1e-2-a-posteriori-s1": {"policy": "certified", "eps": 1e-2, "certified_rule": "a_posteriori",
+                                       "estimate_share": 1.0},
+    "certified-1e-3-a-posteriori-s1": {"policy": "certified", "eps": 1e-3, "certified_rule": "a_posteriori",
+                                       "estimate_share": 1.0},
 }
 INDEXES = {
     "grid-8bit": {"family": "grid", "grid_bits": 8},

@@ -49,7 +49,8 @@ class LouverConfig:
         posteriori"). Both are certified; a_posteriori keeps fewer keys and needs
         ``certified_passes=2``.
       estimate_share: the a-posteriori first level's share of the estimated Z (above 0, at most
-        4); lower values run the band pass less often but keep more keys.
+        4). The sample scaled to 32K tokens underestimates Z, so 3 kept the fewest keys on the
+        captured traces (docs/results.md); lower values run the band pass less often but keep more.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 
@@ -76,7 +77,7 @@ class LouverConfig:
     fixed_threshold: float = 0.0
     certified_passes: int = 2
     certified_rule: str = "histogram"
-    estimate_share: float = 1.0
+    estimate_share: float = 3.0
     sample_size: int = 256
     sink_pages: int = 1
     recent_pages: int = 1
