@@ -16,8 +16,10 @@ Rules compared (all with the step's own fp32 bounds, ``PageIndexStore`` of ``--g
 * ``oracle``: per query head, the fewest indexed keys (highest exact scores first) whose
   complement's true mass is ≤ eps·Z; per KV head, the union of its group's sets.
 
-It checks on every case that recall of {s ≥ T} is 1 and that the true dropped mass is ≤ ε for the
-certified rules, and reports how often the band pass runs (query heads, and requests with any).
+With ``--int8`` the token bounds are the compiled kernels' int8 ones (what ``cpu`` and ``triton``
+gate and certify with). It checks on every case that recall of {s ≥ T} is 1 and that the true
+dropped mass is ≤ ε for the certified rules, and reports how often the band pass runs (query
+heads, and requests with any).
 
     python -m benchmarks.certified_oracle --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
         --eps 1e-2 1e-3 1e-4 --out benchmarks/results/certified_oracle.json
@@ -38,13 +40,15 @@ import torch
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import load_trace
 from louver_sgl.decode import threshold as th
+from louver_sgl.decode.fused import int8_token_bounds_reference
 from louver_sgl.decode.plan import _sample_positions, split_pages
 
 SHARES = (4.0, 3.0, 2.0, 1.0, 0.5)
 
 
-def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float) -> dict:
-    """One query ``[H_q, D]`` over ``keys`` ``[n, H_kv, D]``: bounds, exact part, exact scores."""
+def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float, int8: bool = False) -> dict:
+    """One query ``[H_q, D]`` over ``keys`` ``[n, H_kv, D]``: bounds (with ``int8`` the compiled
+    kernels' int8 token bounds, ``fused.int8_token_bounds_reference``), exact part, exact scores."""
     n, h_kv, _ = keys.shape
     size, groups = config.page_size, q.shape[0] // h_kv
     _, indexed, _ = split_pages(n, config)
@@ -60,7 +64,10 @@ def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: flo
     page_ids = torch.arange(indexed.start, indexed.stop)
     rows = q.float().view(1, h_kv, groups, -1).expand(len(page_ids), -1, -1, -1).contiguous()
     bounds = store.page_bounds(rows, page_ids)
-    tok = store.token_bounds(bounds, page_ids)
+    if int8:
+        tok = int8_token_bounds_reference(*bounds.terms, store.page_codes(page_ids), config.grid_bits)
+    else:
+        tok = store.token_bounds(bounds, page_ids)
     pb = bounds.page_bound.reshape(len(page_ids), -1)
     tb = tok.reshape(len(page_ids), size, -1)
     z_dense = (mass * dense).sum(1)
@@ -132,7 +139,7 @@ def measure_case(c: dict, eps: float, sigma: float) -> dict:
     return row
 
 
-def measure(path: Path, eps_list, config: LouverConfig) -> list[dict]:
+def measure(path: Path, eps_list, config: LouverConfig, int8: bool = False) -> list[dict]:
     trace = load_trace(path)
     sigma = float(trace["meta"]["softmax_scale"])
     rows = []
@@ -144,7 +151,7 @@ def measure(path: Path, eps_list, config: LouverConfig) -> list[dict]:
             store = PageIndexStore(config, (pos + 1) // config.page_size + 1, h_kv, k.shape[2], k.dtype)
             full = (pos + 1) // config.page_size
             store.build_pages(k[: full * config.page_size], torch.arange(full))
-            c = case_inputs(k, queries[qi], store, config, sigma)
+            c = case_inputs(k, queries[qi], store, config, sigma, int8)
             for eps in eps_list:
                 rows.append(dict(trace=path.name, layer=layer, query=qi, eps=eps, indexed=c["n_idx"] * h_kv,
                                  heads=queries.shape[1], rules=measure_case(c, eps, sigma)))
@@ -198,6 +205,8 @@ def main() -> None:
     parser.add_argument("--grid-bits", type=int, default=LouverConfig.grid_bits)
     parser.add_argument("--page-size", type=int, default=LouverConfig.page_size)
     parser.add_argument("--out", default="benchmarks/results/certified_oracle.json")
+    parser.add_argument("--int8", action="store_true",
+                        help="gate and certify with the compiled kernels' int8 token bounds (cpu, triton)")
     parser.add_argument("--markdown", nargs="*", metavar="RULE",
                         help="print the docs table of --out for these rules (default: histogram, "
                              "a_posteriori at the default share, exact_z, oracle) and exit")
@@ -205,14 +214,14 @@ def main() -> None:
     if args.markdown is not None:
         share = f"a_posteriori-{LouverConfig.estimate_share:g}"
         rules = args.markdown or ["histogram", share, "exact_z", "oracle"]
-        key = f"grid{args.grid_bits}-p{args.page_size}"
+        key = f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
         print(markdown(json.loads(Path(args.out).read_text())[key]["summary"], rules))
         return
     config = LouverConfig(page_size=args.page_size, grid_bits=args.grid_bits, policy="certified")
     start = time.time()
     rows = []
     for path in args.traces:
-        rows += measure(Path(path), args.eps, config)
+        rows += measure(Path(path), args.eps, config, args.int8)
         print(f"[certified_oracle] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr)
     table = summarize(rows)
     for row in table:
@@ -221,7 +230,7 @@ def main() -> None:
               f"band heads {row['band_head_share']:.2f} steps {row['band_step_share']:.2f}")
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
-    key = f"grid{args.grid_bits}-p{args.page_size}"
+    key = f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
     previous[key] = {"command": "python -m benchmarks.certified_oracle " + " ".join(sys.argv[1:]),
                      "machine": platform.processor() or platform.machine(), "config": vars(args), "summary": table}
     out.write_text(json.dumps(previous, indent=1))
