@@ -188,11 +188,6 @@ void estimated_z(StepPlan& p, double share, double* z_est) {
     }
 }
 
-// The check and the second level of the a-posteriori rule (threshold.a_posteriori_second): Z_att
-// = max(Z_lb, Z_dense + the exact mass of the first pass's union candidates, masses[..., 2]); a
-// head whose certificate (the bound at its first level) does not fit eps_budget·Z_att takes the
-// largest edge whose bound (the histogram's cumulative sums) does, its certificate that bound (T
-// = −inf and 0 where none fits). Returns per request whether some head was lowered.
 // The largest edge whose bound (the cumulative histogram of row i, threshold.histogram_bound) fits
 // budget, and that bound (−1 and 0 where none does).
 int64_t fitting_edge(const StepPlan& p, int64_t i, double budget, double rounding, const Edges& edges, double* fit) {
@@ -225,6 +220,11 @@ std::vector<float> histogram_levels(const StepPlan& p, double sigma, double eps_
   return levels;
 }
 
+// The check and the second level of the a-posteriori rule (threshold.a_posteriori_second): Z_att
+// = max(Z_lb, Z_dense + the exact mass of the first pass's union candidates, masses[..., 2]); a
+// head whose certificate (the bound at its first level) does not fit eps_budget·Z_att takes the
+// largest edge whose bound (the histogram's cumulative sums) does, its certificate that bound (T
+// = −inf and 0 where none fits). Returns per request whether some head was lowered.
 std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_budget, double rounding,
                                        const Edges& edges) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
@@ -385,11 +385,14 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
   std::vector<int64_t> unskipped;  // a-posteriori: pages the lowered levels keep, per (request, head)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
-    const auto run = [&](int phases) {
-      if ((phases & kAttendMerge) && attended.has_value()) attended->zero_();  // the last attend pass's set
-      run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
+    const auto run_with = [&](const AttendArgs& args, int phases) {
+      run_phases(e, args, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
                  scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
                  static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), phases);
+    };
+    const auto run = [&](int phases) {
+      if ((phases & kAttendMerge) && attended.has_value()) attended->zero_();  // the last attend pass's set
+      run_with(a, phases);
     };
     if (!certified) return run(kAllPhases);
     run(kExactPart);  // ref and the exact masses, then T from every token bound (gate: −inf)
@@ -412,10 +415,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
       first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
       first.reserve_bound = p.reserve_bound.data_ptr<float>(), first.reserve_count = p.reserve_count.data_ptr<int64_t>();
-      if (attended.has_value()) attended->zero_();
-      run_phases(e, first, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
-                 static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kAttend);
+      if (attended.has_value()) attended->zero_();  // both passes add to the set
+      run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
       const torch::Tensor t0 = p.t.clone();
       const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
@@ -425,16 +426,11 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
         ab.m_out = p.band_m.data_ptr<float>(), ab.l_out = p.band_l.data_ptr<float>();
         ab.o_out = p.band_o.data_ptr<float>(), ab.counts = p.band_counts.data_ptr<int64_t>();
         ab.mass = p.band_mass.data_ptr<double>();
-        run_phases(e, ab, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-                   scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
-                   static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kAttend);
+        run_with(ab, kAttend);
         combine_band(p);
         unskipped = unskipped_pages(p, t0);
       }
-      run_phases(e, a, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
-                 scale.data_ptr<scalar_t>(), radius.data_ptr<scalar_t>(), t_fixed, value_gate,
-                 static_cast<float>(gate_rel), p.t.data_ptr<float>(), p.gate.data_ptr<float>(), kMerge);
-      return;
+      return run_with(a, kMerge);
     }
     if (!one_pass) {
       run_certified_pass(c);

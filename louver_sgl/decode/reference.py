@@ -149,19 +149,25 @@ def _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
     keep = torch.zeros(u.shape, dtype=torch.bool)
     dropped = torch.zeros(pb.shape[0], dtype=torch.float64)
     for h in range(pb.shape[0]):
-        def bound_at(e, h=h):
-            page_below = x_page[h] < e
-            tok_below = ~page_below.repeat_interleave(size) & (x_tok[h] < e)
-            mass = size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)
-            return mass * (1.0 + th.HIST_ROUNDING)
-
+        bound_at = lambda e, h=h: _bound_at(x_page[h], x_tok[h], size, e)
         edge = _largest_edge(bound_at, budget[h])
-        t = th.edge_threshold(torch.tensor(edge), ref[h], sigma)
-        keep_page = ~(pb[h] < t)
-        keep[h] = keep_page.repeat_interleave(size) & ~(u[h] < t)
+        t_out[h], keep[h] = _keep_at(pb[h], u[h], ref[h], edge, sigma, size)
         dropped[h] = bound_at(float(th.EDGE_VALUES[edge])) if edge >= 0 else 0.0
-        t_out[h] = t
     return t_out, keep, dropped
+
+
+def _bound_at(x_page, x_tok, size: int, e: float):
+    """One head's certified dropped mass at edge value e: pages with x_page < e whole, tokens with
+    x_tok < e in the other pages, times 1 + ``HIST_ROUNDING`` (the bound on its fp64 rounding)."""
+    page_below = x_page < e
+    tok_below = ~page_below.repeat_interleave(size) & (x_tok < e)
+    return (size * _mass(x_page, page_below) + _mass(x_tok, tok_below)) * (1.0 + th.HIST_ROUNDING)
+
+
+def _keep_at(pb, u, ref, edge: int, sigma, size: int):
+    """One head's (T, candidate mask over its indexed tokens) at edge index ``edge``."""
+    t = th.edge_threshold(torch.tensor(edge), ref, sigma)
+    return t, (~(pb < t)).repeat_interleave(size) & ~(u < t)
 
 
 def _a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: LouverConfig, groups):
@@ -178,14 +184,8 @@ def _a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: Louve
     x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
     n_idx = u.shape[1]
 
-    def bound_at(h, e):
-        page_below = x_page[h] < e
-        tok_below = ~page_below.repeat_interleave(size) & (x_tok[h] < e)
-        return (size * _mass(x_page[h], page_below) + _mass(x_tok[h], tok_below)) * (1.0 + th.HIST_ROUNDING)
-
-    def keep_at(h, edge):
-        t = th.edge_threshold(torch.tensor(edge), ref[h], sigma)
-        return t, (~(pb[h] < t)).repeat_interleave(size) & ~(u[h] < t)
+    bound_at = lambda h, e: _bound_at(x_page[h], x_tok[h], size, e)
+    keep_at = lambda h, edge: _keep_at(pb[h], u[h], ref[h], edge, sigma, size)
 
     z_sample = z_lb - z_dense
     z_est = torch.maximum(z_lb, cfg.estimate_share * (z_dense + z_sample * n_idx / max(n_sample, 1)))
