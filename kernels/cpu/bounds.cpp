@@ -247,6 +247,20 @@ float louver_cpu::edge_threshold(int64_t j, float ref, double sigma, const Edges
   return t32;
 }
 
+int64_t louver_cpu::fitting_edge(const double* hist, const double* habs, int64_t W, double budget, double rounding,
+                                 const Edges& edges, double* fit) {
+  double cum = 0.0, cum_abs = 0.0;
+  int64_t edge = -1;
+  *fit = 0.0;
+  for (int64_t j = 0; j < std::min<int64_t>(W, edges.count); ++j) {
+    cum += hist[j];
+    cum_abs += habs[j];
+    const double bound = cum + rounding * cum_abs;
+    if (bound <= budget) edge = j, *fit = bound;
+  }
+  return edge;
+}
+
 // The pass (CertifiedPass, ops.h): q [B, H_q, D] f32; page_ids, page_req [n] i64; lo/scale/radius
 // [pages, H_kv, D] (KV dtype); codes u8 [slots, H_kv, bytes] or block16 [slots/16, H_kv, bytes/4,
 // 16, 4] (see Codes); ref [B, H_q] f32; z_lb [B, H_q] f64; eps_budget = eps times the fp64 safety
@@ -316,8 +330,6 @@ void louver_cpu::run_certified_pass(const CertifiedPass& c) {
   float* tp = t.data_ptr<float>();
   double* cp = certificate.data_ptr<double>();
   for (int64_t r = 0; r < rows; ++r) {
-    double cum = 0.0, cum_abs = 0.0, cert = 0.0;
-    int64_t edge = -1;
     for (int64_t j = 0; j < W; ++j) {
       double tk = 0.0, pg = 0.0, cov = 0.0;
       for (int64_t thread = 0; thread < threads; ++thread) {
@@ -328,16 +340,11 @@ void louver_cpu::run_certified_pass(const CertifiedPass& c) {
       }
       hp[r * W + j] = tk * kMassUp + pg - cov * kMassUp;
       ap[r * W + j] = tk * kMassUp + pg + cov * kMassUp;
-      cum += hp[r * W + j];
-      cum_abs += ap[r * W + j];
-      const double bound = cum + rounding * cum_abs;
-      if (j < edges.count && bound <= eps_budget * zp[r]) {
-        edge = j;
-        cert = bound;
-      }
     }
+    double cert;
+    const int64_t edge = fitting_edge(hp + r * W, ap + r * W, W, eps_budget * zp[r], rounding, edges, &cert);
     tp[r] = edge_threshold(edge, rp[r], sigma, edges);
-    cp[r] = edge < 0 ? 0.0 : cert;
+    cp[r] = cert;
   }
 }
 

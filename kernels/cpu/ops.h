@@ -32,6 +32,11 @@ struct CertifiedPass {
 void run_certified_pass(const CertifiedPass& c);
 // fp32 T of edge j (threshold.edge_threshold; bounds.cpp).
 float edge_threshold(int64_t j, float ref, double sigma, const Edges& edges);
+// The largest edge whose bound (the cumulative sums of one row of hist and habs [W], plus rounding
+// times the absolute ones: threshold.histogram_bound) fits budget, and that bound in fit (−1 and 0
+// where none does; bounds.cpp).
+int64_t fitting_edge(const double* hist, const double* habs, int64_t W, double budget, double rounding,
+                     const Edges& edges, double* fit);
 
 }  // namespace louver_cpu
 

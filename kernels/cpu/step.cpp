@@ -188,21 +188,11 @@ void estimated_z(StepPlan& p, double share, double* z_est) {
     }
 }
 
-// The largest edge whose bound (the cumulative histogram of row i, threshold.histogram_bound) fits
-// budget, and that bound (−1 and 0 where none does).
+// fitting_edge for row i of the plan's histograms.
 int64_t fitting_edge(const StepPlan& p, int64_t i, double budget, double rounding, const Edges& edges, double* fit) {
   const int64_t W = p.hist.size(2);
-  const double *hist = p.hist.data_ptr<double>() + i * W, *habs = p.habs.data_ptr<double>() + i * W;
-  double cum = 0.0, cum_abs = 0.0;
-  int64_t edge = -1;
-  *fit = 0.0;
-  for (int64_t j = 0; j < std::min<int64_t>(W, edges.count); ++j) {
-    cum += hist[j];
-    cum_abs += habs[j];
-    const double bound = cum + rounding * cum_abs;
-    if (bound <= budget) edge = j, *fit = bound;
-  }
-  return edge;
+  return fitting_edge(p.hist.data_ptr<double>() + i * W, p.habs.data_ptr<double>() + i * W, W, budget, rounding,
+                      edges, fit);
 }
 
 // The histogram rule's levels (Z_lb of the exact part) [B·H_q]: the lowest the a-posteriori second
