@@ -10,7 +10,7 @@ of the GPU machine first on the path (3.6.0 on the lent H200s):
     PYTHONPATH=/tmp/triton36 python -m benchmarks.compile_sm90 --out /tmp/sm90.json
 
 Covered: the page build (2/4/8-bit codes), and for ``triton`` and ``triton_stream`` every policy
-(``triton_stream`` also the one-pass certified rule),
+and certified rule (the a-posteriori band pass; ``triton_stream`` also the one-pass rule),
 fp16/bf16/fp32 KV, head dims 64 and 128, GQA groups 3 and 4, 4- and 8-bit codes, the value gate
 and the dense fallback pass. Prints one line per distinct compiled kernel (shared memory, warps,
 stages, cubin bytes) and exits non-zero if any compile failed.
@@ -102,9 +102,10 @@ def compile_step(impl: str, policy: str, dtype, dim: int, groups: int, bits: int
 
     page = 64
     passes = 1 if policy == "certified-one-pass" else 2
-    config = LouverConfig(page_size=page, policy=policy.removesuffix("-one-pass"), grid_bits=bits, eps=1e-3,
+    rule = "a_posteriori" if policy == "certified-a-posteriori" else "histogram"
+    config = LouverConfig(page_size=page, policy=policy.split("-")[0], grid_bits=bits, eps=1e-3,
                           budget=0.05, fixed_threshold=1.0, sample_size=64, certified_passes=passes,
-                          dense_fallback_fraction=0.5 if fallback else 1.0)
+                          certified_rule=rule, dense_fallback_fraction=0.5 if fallback else 1.0)
     q, k, v, table, lens = _case(dtype, dim, groups, page)
     store = PageIndexStore(config, k.shape[0] // page, k.shape[1], dim, dtype, code_layout="token")
     t = store.tensors
@@ -125,7 +126,7 @@ def main() -> int:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     failures = []
-    policies = ["certified", "certified-one-pass", "budget", "fixed", "dense"]
+    policies = ["certified", "certified-one-pass", "certified-a-posteriori", "budget", "fixed", "dense"]
     cases = list(itertools.product(["triton", "triton_stream"], policies,
                                    [getattr(torch, d) for d in args.dtypes], [64, 128], [3, 4], [4, 8],
                                    [False, True]))

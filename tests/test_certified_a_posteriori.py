@@ -1,18 +1,22 @@
 """The a-posteriori certified rule (``certified_rule="a_posteriori"``): certified by construction,
 never keeping more than the histogram rule; the torch step follows the reference's rule on
-random and real keys, band pass included, and the compiled CPU step attends exactly what its own
-int8 bounds keep at its T, with a true dropped mass below its bound.
+random and real keys, band pass included, the compiled CPU step attends exactly what its own
+int8 bounds keep at its T, and the Triton steps (under the interpreter) run the band pass on the
+device with no key attended twice, all with a true dropped mass below the bound.
 
 (The conformance suite runs the option through every implementation's contract: recall 1.0,
-measured dropped mass below the bound, bound below eps; implementations without it refuse it by
-name.)
+measured dropped mass below the bound, bound below eps.)
 """
 
 from __future__ import annotations
 
 import math
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton implementations are first imported
 
 from conftest import compiled_attended, fp64_request, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
@@ -222,13 +226,72 @@ def test_the_options_are_checked():
     for bad in (0.0, -1.0, 5.0, math.nan):
         with pytest.raises(ValueError, match="estimate_share"):
             LouverConfig(estimate_share=bad)
-    config = LouverConfig(certified_rule="a_posteriori")
-    for impl in ("triton", "triton_stream"):
-        try:
-            LouverDecode(config, "cpu", impl=impl)
-        except ValueError as exc:
-            if "not available" in str(exc):
-                continue
-            assert f"certified_rule='a_posteriori' is not supported by the '{impl}'" in str(exc)
-        else:
-            raise AssertionError(f"{impl} accepted certified_rule='a_posteriori'")
+
+
+def _triton_case(dtype, dense_fallback_fraction):
+    """Share 4 at eps 1e-2 (the first check fails in most heads), token-layout codes, GQA 3."""
+    config = LouverConfig(page_size=16, policy="certified", eps=1e-2, sample_size=32, certified_rule="a_posteriori",
+                          estimate_share=4.0, dense_fallback_fraction=dense_fallback_fraction)
+    k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=7, dtype=dtype)
+    store = PageIndexStore(config, len(k) // 16, 2, 64, dtype, code_layout="token")
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = (torch.randn(len(LENS), 6, 64, generator=torch.Generator().manual_seed(8)) * 2).to(dtype)
+    return config, q, k, v, table, lens, store
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton_stream"])
+def test_triton_steps_lower_on_the_device_and_attend_no_key_twice(impl):
+    """Share 4 (the first check fails in most heads): the band pass runs on the device (its
+    lowered flags are set), the counts equal the attended set (a key attended by both passes
+    would be counted twice), recall 1.0, the true dropped mass below the bound below eps, the
+    output softmax attention over the set; T never below the histogram rule's, no more keys."""
+    needs_impl(impl)
+    config, q, k, v, table, lens, store = _triton_case(torch.float32, dense_fallback_fraction=1.0)
+    sigma = 1 / math.sqrt(64)
+    decode = LouverDecode(config, "cpu", impl=impl)
+    decode.plan(table, lens)
+    out, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
+    lowered = decode.impl.workspace.band.lowered[: len(LENS)]
+    assert bool(lowered.any()) and not bool(lowered.all()), "the band pass should run for some heads, not all"
+    counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
+    assert torch.equal(counts, stats.candidates), "counts differ from the attended set"
+    assert bool((stats.mass_bound < config.eps).all())
+    for b in range(len(LENS)):
+        scores, values = fp64_request(q, k, v, table, lens, b, 16)
+        p = torch.softmax(sigma * scores, dim=1)
+        assert bool(((p * ~masks[b]).sum(1) <= stats.mass_bound[b] + 1e-12).all()), f"request {b}: mass above bound"
+        assert not bool(((scores >= stats.threshold[b, :, None].double()) & ~masks[b]).any()), "recall < 1"
+        attended = torch.softmax(sigma * scores.masked_fill(~masks[b], -math.inf), dim=1)
+        want = torch.einsum("hl,lhd->hd", attended, values)
+        torch.testing.assert_close(out[b].double(), want, atol=2e-5 * float(values.abs().max()), rtol=0)
+    hist = LouverDecode(config.with_(certified_rule="histogram"), "cpu", impl=impl)
+    hist.plan(table, lens)
+    _, hist_stats = hist.run(q, k, v, store, sigma, stats=True)
+    assert bool((stats.threshold >= hist_stats.threshold).all())
+    assert bool((stats.candidates <= hist_stats.candidates).all())
+    assert int(stats.candidates.sum()) < int(hist_stats.candidates.sum())
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton_stream"])
+def test_the_triton_band_reads_nothing_on_the_host(impl, monkeypatch):
+    """Graph safety of the a-posteriori step: with every host read of a tensor value made an
+    error (item, tolist, bool, int, float), the planned step's launches (check, lowered level and
+    band pass included) run through."""
+    needs_impl(impl)
+    config, q, k, v, table, lens, store = _triton_case(torch.float16, dense_fallback_fraction=0.9)
+    decode = LouverDecode(config, "cpu", impl=impl)
+    plan = decode.impl.plan(table, lens)
+    out = torch.empty(len(LENS), 6, 64, dtype=torch.float16)
+    decode.impl.run(plan, q, k, v, store, 0.125, out, stats=False, attended=False)  # allocates the workspace
+    plan = decode.impl.plan(table, lens)
+    before = out.clone()
+
+    def host_read(*_args, **_kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    decode.impl.launches(q, k, v, plan.workspace, store, 0.125, out, None)
+    monkeypatch.undo()
+    assert bool(decode.impl.workspace.band.lowered.any())
+    torch.testing.assert_close(out, before, atol=0, rtol=0)

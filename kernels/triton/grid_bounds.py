@@ -137,3 +137,22 @@ def exact_scores(keys, q, QHI_DTYPE: tl.constexpr):
         q_lo = (q - q_hi.to(tl.float32)).to(QHI_DTYPE)
         s = tl.dot(q_hi, keys_t, out_dtype=tl.float32)
         return tl.trans(tl.dot(q_lo, keys_t, acc=s, out_dtype=tl.float32))
+
+
+@triton.jit
+def scores_with_lower_bounds(keys, q, QHI: tl.constexpr, D: tl.constexpr):
+    """(scores, lower bounds of the exact scores) ``[T, BG]`` fp32 of keys ``[T, D]``."""
+    s = exact_scores(keys, q, QHI)
+    mag = exact_scores(tl.abs(keys), tl.abs(q), QHI)
+    # rounding bound of the fp32 sums plus the split-q residual (<= 2^-17 relative)
+    return s, s - mag * (2.0 * (D + 8) * 5.9604644775390625e-08 + 7.62939453125e-06)
+
+
+@triton.jit
+def scores_and_union_mass(keys, q, ref, rows, gmask, sigma, QHI: tl.constexpr, D: tl.constexpr):
+    """(scores ``[T, BG]`` fp32, per head the fp64 lower bound of Σ exp(σ(s − ref)) over the
+    ``rows`` ``[T]`` some head attends): the a-posteriori rule's Z_att terms. NaN terms add 0."""
+    s, s_lb = scores_with_lower_bounds(keys, q, QHI, D)
+    x_lb = tl.minimum(sigma * (s_lb.to(tl.float64) - ref[None, :].to(tl.float64)), 700.0)
+    in_union = rows[:, None] & gmask[None, :] & (x_lb == x_lb)
+    return s, tl.sum(tl.where(in_union, tl.exp(x_lb), 0.0), 0)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .grid_bounds import (
     exact_scores, group_queries, load_codes, load_page_terms, quantize_weights, request_layout,
-    token_bounds,
+    scores_and_union_mass, scores_with_lower_bounds, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -33,15 +33,6 @@ from .launch import TritonLaunch
 # (``louver_sgl.decode.contract``), passed to every kernel as constexprs (``layout_args``,
 # ``edge_args``) rather than written here a second time.
 HIST_TILE = tl.constexpr(512)  # histogram bins one tile holds: edge count + 2 must fit
-
-
-@triton.jit
-def _scores_lb(keys, q, QHI: tl.constexpr, D: tl.constexpr):
-    """(scores, lower bounds of the exact scores) ``[T, BG]`` fp32 of keys ``[T, D]``."""
-    s = exact_scores(keys, q, QHI)
-    mag = exact_scores(tl.abs(keys), tl.abs(q), QHI)
-    # rounding bound of the fp32 sums plus the split-q residual (<= 2^-17 relative)
-    return s, s - mag * (2.0 * (D + 8) * 5.9604644775390625e-08 + 7.62939453125e-06)
 
 
 @triton.jit
@@ -83,7 +74,7 @@ def _exact_part_kernel(
         page = tl.load(table_ptr + b * stride_tb + pos // P, mask=valid, other=0).to(tl.int64)
         keys = tl.load(k_ptr + (page * P + pos % P)[:, None] * stride_ks + h * stride_kh + dim[None, :],
                        mask=valid[:, None], other=0.0)
-        s, s_lb = _scores_lb(keys, q, QHI, D)
+        s, s_lb = scores_with_lower_bounds(keys, q, QHI, D)
         m, z = _online_mass(m, z, s, s_lb, valid[:, None], sigma)
     j = tl.arange(0, MP)  # the sample: M evenly spaced indexed tokens, one tile
     in_sample = j < count
@@ -92,7 +83,7 @@ def _exact_part_kernel(
     page = tl.load(table_ptr + b * stride_tb + pos // P, mask=in_sample, other=0).to(tl.int64)
     keys = tl.load(k_ptr + (page * P + pos % P)[:, None] * stride_ks + h * stride_kh + dim[None, :],
                    mask=in_sample[:, None], other=0.0)
-    s, s_lb = _scores_lb(keys, q, QHI, D)
+    s, s_lb = scores_with_lower_bounds(keys, q, QHI, D)
     m, z = _online_mass(m, z, s, s_lb, in_sample[:, None], sigma)
     s = tl.where(in_sample[:, None], s, float("-inf"))
     tl.store(sample_ptr + head_row[None, :] * M + j[:, None], s, mask=(j < M)[:, None] & gmask[None, :])
@@ -209,17 +200,21 @@ def _certified_hist_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr,
-    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr,
+    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr, t0_ptr, zu_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
     stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT, min_sparse,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, GATE_REL: tl.constexpr, KEEP_OUT: tl.constexpr,
-    FALLBACK_PASS: tl.constexpr,
+    FALLBACK_PASS: tl.constexpr, BAND: tl.constexpr, Z_UNION: tl.constexpr,
 ):
     # Work is skipped where nothing survives: a skipped page reads no codes, a page without
     # candidates reads no keys, a key no head attends reads no value. The fallback pass runs
     # only the requests flagged in flag_ptr, densely (T = −inf), and leaves the counters alone.
+    # Z_UNION: also the lower bound of every union row's softmax mass per head (zu_ptr, fp64; the
+    # a-posteriori rule's Z_att). BAND: the a-posteriori band pass: only indexed tokens kept at
+    # t_ptr's level and not at t0_ptr's (the first pass's T, gated by the same arithmetic, so no
+    # key is scored twice); its union and value counts leave out rows the first pass read.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -237,6 +232,9 @@ def _attend_kernel(
     else:
         runs = pages >= 0
         t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
+    if BAND:
+        t0 = tl.load(t0_ptr + head_row, mask=gmask, other=float("inf"))
+        pages = tl.where(tl.min(t, 0) == float("inf"), 0, pages)  # no head lowered: nothing to scan
     if GATE:  # candidates clearly below T skip their V read (budget and fixed policies)
         gate_t = t - GATE_REL * (tl.abs(t) + 1.0)
     else:
@@ -252,6 +250,7 @@ def _attend_kernel(
     n_union = tl.zeros((P,), tl.int32)
     n_values = tl.zeros((P,), tl.int32)
     n_read = tl.zeros((BG,), tl.int32)
+    z_union = tl.zeros((BG,), tl.float64)
     p0 = s * SPLIT
     for p in range(p0, tl.minimum(p0 + SPLIT, pages)):
         page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
@@ -260,6 +259,9 @@ def _attend_kernel(
         keep = valid[:, None] & gmask[None, :]  # dense rows: every valid token
         page_gate = tl.full((BG,), float("-inf"), tl.float32)
         is_idx = ((p >= first) & (p < end)).to(tl.int32)
+        if BAND:
+            keep = keep & (is_idx > 0)  # the first pass attended the dense rows
+        row_first = tl.zeros((P,), tl.int32)  # band: rows some head kept at the first level
         if is_idx > 0:  # indexed page: page bound, then token bounds where the page survives
             w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
             keep_page = ((pb >= t) | (pb != pb)) & gmask
@@ -277,11 +279,20 @@ def _attend_kernel(
                 lost = keep & (keep_tok == 0)
                 dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
                 keep = keep_tok
+                if BAND:
+                    page_first = ((pb >= t0) | (pb != pb)) & gmask
+                    first_keep = (valid[:, None] & page_first[None, :]) & ((u >= t0[None, :]) | (u != u))
+                    keep = keep & (first_keep == 0)
+                    row_first = tl.max(first_keep.to(tl.int32), 1)
         row = tl.max(keep.to(tl.int32), 1) > 0
         if tl.sum(row.to(tl.int32), 0) > 0:  # keys of candidates first
             keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
                            mask=row[:, None], other=0.0)
-            sc_exact = exact_scores(keys, q, QHI)
+            if Z_UNION:
+                sc_exact, z_rows = scores_and_union_mass(keys, q, ref, row, gmask, sigma, QHI, D)
+                z_union += z_rows
+            else:
+                sc_exact = exact_scores(keys, q, QHI)
             # a NaN score is never below the gate (keep semantics, as the torch and C++ steps)
             att = keep & ((sc_exact >= page_gate[None, :]) | (sc_exact != sc_exact))
             gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
@@ -300,11 +311,14 @@ def _attend_kernel(
                 acc = tl.dot(tl.trans(prob).to(PV), vals, acc=acc * alpha[:, None], out_dtype=tl.float32)
             m_i = m_new
             n_att += tl.sum(att.to(tl.int32), 0) * is_idx
-            n_union += row.to(tl.int32) * is_idx
-            n_values += vrow.to(tl.int32) * is_idx
-            if KEEP_OUT:
+            n_union += (row & (row_first == 0)).to(tl.int32) * is_idx
+            n_values += (vrow & (row_first == 0)).to(tl.int32) * is_idx
+            if KEEP_OUT:  # the band pass adds its ones to the first pass's
+                out_mask = gmask[None, :] & valid[:, None]
+                if BAND:
+                    out_mask = out_mask & att
                 tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
-                         mask=gmask[None, :] & valid[:, None])
+                         mask=out_mask)
     split_row = (b * n_heads_kv + h) * tl.num_programs(2) + s
     tl.store(m_ptr + split_row * BG + g, m_i, mask=runs)
     tl.store(l_ptr + split_row * BG + g, l_i, mask=runs)
@@ -318,6 +332,8 @@ def _attend_kernel(
         tl.store(counts + 4 * BG, n_read)
         tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
         tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
+    if Z_UNION:
+        tl.store(zu_ptr + split_row * BG + g, z_union)
 
 
 @triton.jit
@@ -473,7 +489,8 @@ def certified_threshold(hist, habs, ref, z_lb, threshold, certificate, sigma: fl
 
 def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, ref, m, l, o, counts,
            mass, sigma: float, layout: dict, min_sparse: int, bits: int, gate: bool, gate_rel: float,
-           launch: TritonLaunch = TritonLaunch(), attended=None, fallback=None) -> None:
+           launch: TritonLaunch = TritonLaunch(), attended=None, fallback=None, z_union=None,
+           band_ceiling=None) -> None:
     """Fused filter and sparse split-K attention.
 
     Args:
@@ -491,6 +508,14 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
             position attended (for tests and audits; the fast path leaves it None).
         fallback: optional ``[B]`` bool: the dense-fallback pass, which recomputes m, l, o of the
             flagged requests densely (T = −inf, no gate) and writes nothing else.
+        z_union: optional ``[B, H_kv, S, BG]`` fp64 out: per split and head, a lower bound of
+            Σ exp(σ(s − ref)) over every row some head of the group attends (dense rows and the
+            GQA union of candidates): the a-posteriori rule's Z_att.
+        band_ceiling: optional ``[B, H_q]`` fp32: the band pass of the a-posteriori rule. It
+            attends only the indexed tokens kept at ``threshold`` (the lowered level; +inf for a
+            head not lowered) and not at ``band_ceiling`` (the first pass's T), and writes the
+            split state and counters of that band alone (union and value counts without the
+            rows the first pass read; ``attended`` gains its ones).
     S = ``num_splits(page_table.shape[1], launch)``; BG = ``block_g(H_q // H_kv, launch)``.
     """
     batch, heads, dim = q.shape
@@ -502,13 +527,15 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
     _attend_kernel[grid](
         q, k_cache, v_cache, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"],
         threshold, ref, m, l, o, counts, mass, attended if attended is not None else counts,
-        fallback if fallback is not None else seq_lens,
+        fallback if fallback is not None else seq_lens, band_ceiling if band_ceiling is not None else threshold,
+        z_union if z_union is not None else mass,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0), index["codes"].stride(1),
         attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split, int(min_sparse),
         **layout, D=dim, DV=d_v, G=groups, BG=block_g(groups, launch), BITS=bits, QHI=kv, PV=kv,
         GATE=gate and fallback is None, GATE_REL=float(gate_rel), KEEP_OUT=attended is not None,
-        FALLBACK_PASS=fallback is not None, num_warps=launch.attend_warps, num_stages=launch.attend_stages,
+        FALLBACK_PASS=fallback is not None, BAND=band_ceiling is not None, Z_UNION=z_union is not None,
+        num_warps=launch.attend_warps, num_stages=launch.attend_stages,
     )
 
 

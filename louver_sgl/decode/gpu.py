@@ -2,8 +2,10 @@
 
 Launches: ``exact_part`` (ref, Z_lb, the sample, and the budget policy's T) -> for the certified
 policy ``certified_hist`` and ``certified_threshold`` -> ``attend`` (fused filter and sparse
-split-K attention) -> with a dense fallback fraction below 1 the fallback flags and the fallback
-pass (the flagged requests' splits recomputed densely) -> ``merge`` (splits into the output).
+split-K attention) -> for the a-posteriori certified rule the check against Z_att, the lowered
+level and the band pass (``a_posteriori_band``) -> with a dense fallback fraction below 1 the
+fallback flags and the fallback pass (the flagged requests' splits recomputed densely) ->
+``merge`` (splits into the output).
 Statistics are computed only when asked for. Nothing reads a device value on the host and every
 buffer comes from a ``GpuWorkspace`` allocated once, so the step can be captured in a CUDA graph
 for a fixed batch size and page-table width.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LouverConfig
+from . import threshold as th
 from .contract import (
     BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, HeadShapes, RequestLayout,
     StepStats, gates_values,
@@ -29,6 +32,36 @@ from .contract import (
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
+
+
+@dataclass
+class BandBuffers:
+    """The a-posteriori certified rule's buffers (``certified_rule='a_posteriori'``), beside a
+    ``GpuWorkspace`` of the same capacity."""
+
+    first: torch.Tensor  # [Bmax, H_q] fp32: T0, the first pass's level (from the estimate)
+    second: torch.Tensor  # [Bmax, H_q] fp32: T1 from Z_att, then the band pass's level (+inf: not lowered)
+    second_cert: torch.Tensor  # [Bmax, H_q] fp64: the certificate at T1
+    lowered: torch.Tensor  # [Bmax, H_q] bool: heads whose first level did not fit eps·Z_att
+    z_union: torch.Tensor  # [Bmax, H_kv, S, BG] fp64: the first pass's union mass (Z_att) per split
+    m: torch.Tensor  # [Bmax, H_kv, S, BG] fp32: the band pass's split state, as GpuWorkspace's
+    l: torch.Tensor
+    o: torch.Tensor  # [Bmax, H_kv, S, BG, D_v] fp32
+    counts: torch.Tensor  # [Bmax, H_kv, S, 5, BG] int32
+    mass: torch.Tensor  # [Bmax, H_kv, S, 2, BG] fp32
+
+    @classmethod
+    def like(cls, ws: "GpuWorkspace") -> "BandBuffers":
+        heads = ws.ref.shape
+        return cls(first=torch.empty_like(ws.threshold), second=torch.empty_like(ws.threshold),
+                   second_cert=torch.zeros_like(ws.certificate),
+                   lowered=torch.zeros(heads, dtype=torch.bool, device=ws.ref.device),
+                   z_union=torch.zeros(ws.m.shape, dtype=torch.float64, device=ws.m.device),
+                   m=torch.empty_like(ws.m), l=torch.empty_like(ws.l), o=torch.empty_like(ws.o),
+                   counts=torch.empty_like(ws.counts), mass=torch.empty_like(ws.mass))
+
+    def view(self, batch: int) -> "BandBuffers":
+        return BandBuffers(**{k: v[:batch] for k, v in self.__dict__.items()})
 
 
 @dataclass
@@ -54,6 +87,7 @@ class GpuWorkspace:
     union: torch.Tensor  # [Bmax] int64: union candidates (the fallback decision)
     fallback: torch.Tensor  # [Bmax] bool: requests over the dense-fallback fraction
     max_pages: int
+    band: BandBuffers | None = None  # the a-posteriori rule's buffers, where the config asks for it
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, shapes: HeadShapes, config: LouverConfig,
@@ -64,7 +98,7 @@ class GpuWorkspace:
         f32 = dict(dtype=torch.float32, device=device)
         f64 = dict(dtype=torch.float64, device=device)
         state = (max_batch, heads_kv, splits, bg)
-        return cls(
+        ws = cls(
             page_table=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
             seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
             ref=torch.empty(max_batch, heads_q, **f32), z_lb=torch.empty(max_batch, heads_q, **f64),
@@ -81,12 +115,16 @@ class GpuWorkspace:
             fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
             max_pages=max_pages,
         )
+        if _a_posteriori(config):
+            ws.band = BandBuffers.like(ws)
+        return ws
 
     def view(self, batch: int) -> "GpuWorkspace":
         if batch > self.ref.shape[0]:
             raise ValueError(f"batch {batch} exceeds the workspace's {self.ref.shape[0]} requests")
         fields = {k: v[:batch] for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
-        return GpuWorkspace(**fields, max_pages=self.max_pages)
+        return GpuWorkspace(**fields, max_pages=self.max_pages,
+                            band=self.band.view(batch) if self.band is not None else None)
 
     @property
     def max_batch(self) -> int:
@@ -94,7 +132,8 @@ class GpuWorkspace:
 
     def fits(self, shapes: HeadShapes, config: LouverConfig) -> bool:
         return (self.ref.shape[1] == shapes.num_q_heads and self.m.shape[1] == shapes.num_kv_heads
-                and self.o.shape[-1] == shapes.head_dim_v and self.sample.shape[-1] == config.sample_size)
+                and self.o.shape[-1] == shapes.head_dim_v and self.sample.shape[-1] == config.sample_size
+                and (self.band is not None) == _a_posteriori(config))
 
 
 @dataclass
@@ -146,8 +185,6 @@ class TritonDecode(DecodeImplementation):
             cls.reject("family", config.family, "the Triton kernels read grid codes")
         if config.policy == "certified" and config.certified_passes == 1 and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
-        if config.policy == "certified" and config.certified_rule != "histogram":
-            cls.reject("certified_rule", config.certified_rule, "its kernels certify against Z_lb (the histogram rule)")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
         """Copy the batch into the workspace (device ops only: the copies are captured and replayed
@@ -210,8 +247,11 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     """The launches of one step (module docstring) on the workspace view of a planned batch."""
     h_kv = k_cache.shape[1]
     threshold_pass(q, k_cache, ws, store, sigma, config, launch)
+    z_union = ws.band.z_union if ws.band is not None else None
     kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
-                ws.o, ws.counts, ws.mass, sigma, **_attend_options(config, launch, keep))
+                ws.o, ws.counts, ws.mass, sigma, z_union=z_union, **_attend_options(config, launch, keep))
+    if ws.band is not None:
+        a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
@@ -249,8 +289,74 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     if certified:
         kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout, min_sparse,
                             config.grid_bits, EDGES, launch)
-        kern.certified_threshold(ws.hist, ws.habs, ws.ref, ws.z_lb, ws.threshold, ws.certificate, sigma,
+        # the a-posteriori rule's first level fits the estimate of Z; the histogram rule's, Z_lb
+        z = _estimated_z(ws, sigma, config) if ws.band is not None else ws.z_lb
+        kern.certified_threshold(ws.hist, ws.habs, ws.ref, z, ws.threshold, ws.certificate, sigma,
                                  config.eps * BUDGET_SAFETY, HIST_ROUNDING, h_kv, EDGES, launch)
+
+
+def _a_posteriori(config: LouverConfig) -> bool:
+    return config.policy == "certified" and config.certified_rule == "a_posteriori"
+
+
+def _estimated_z(ws: GpuWorkspace, sigma: float, config: LouverConfig) -> torch.Tensor:
+    """``threshold.estimated_z`` from the exact part's outputs, by device ops: the sample's mass
+    (its scores are in ws.sample, −inf padded) and the dense part's (Z_lb minus it)."""
+    finite = ~torch.isneginf(ws.sample)
+    x = (sigma * (ws.sample.double() - ws.ref.double()[..., None])).clamp(max=700.0)
+    z_sample = torch.where(finite, torch.exp(x), 0.0).nan_to_num(nan=0.0).sum(-1)
+    z_dense = (ws.z_lb - z_sample).clamp(min=0.0)
+    num_indexed = RequestLayout.of(config).indexed_tokens(ws.seq_lens)
+    return th.estimated_z(z_dense, z_sample, num_indexed, finite[:, 0].sum(-1), config.estimate_share)
+
+
+def a_posteriori_band(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+                      launch: TritonLaunch, keep, skip=None) -> None:
+    """The check and the band of the a-posteriori rule (``threshold.a_posteriori_second``) after
+    the first pass at T0 = ws.threshold: Z_att = max(Z_lb, the first pass's union mass); a head
+    whose certificate does not fit eps·Z_att takes T1, the largest edge that does, and the band
+    pass (always launched; programs of groups with no lowered head return at once) attends its
+    tokens between T1 and T0. The band's split state is merged into the first pass's by
+    log-sum-exp, its counters added. ``skip``: optional ``[B]`` bool, requests not lowered (the
+    dense fallback recomputes them). Device ops only: graph-safe."""
+    band = ws.band
+    batch, heads = ws.ref.shape
+    h_kv = k_cache.shape[1]
+    groups = heads // h_kv
+    eps_budget = config.eps * BUDGET_SAFETY
+    z_att = torch.fmax(ws.z_lb, band.z_union[..., :groups].sum(2).reshape(batch, heads))
+    band.first.copy_(ws.threshold)
+    kern.certified_threshold(ws.hist, ws.habs, ws.ref, z_att, band.second, band.second_cert, sigma, eps_budget,
+                             HIST_ROUNDING, h_kv, EDGES, launch)
+    lowered = ~(ws.certificate <= eps_budget * z_att) & (band.first > -math.inf)
+    if skip is not None:
+        lowered &= ~skip[:, None]
+    band.lowered.copy_(lowered)
+    ws.threshold.copy_(torch.where(lowered, band.second, band.first))
+    ws.certificate.copy_(torch.where(lowered, band.second_cert, ws.certificate))
+    band.second.copy_(torch.where(lowered, band.second, math.inf))
+    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, band.second, ws.ref, band.m,
+                band.l, band.o, band.counts, band.mass, sigma, band_ceiling=band.first,
+                **_attend_options(config, launch, keep))
+    _combine_band(ws, lowered.view(batch, h_kv, groups))
+
+
+def _combine_band(ws: GpuWorkspace, lowered) -> None:
+    """The band's split states merged into ws's (log-sum-exp per split and head), its counters
+    added; skipped pages per head are the band's where the head was lowered (``lowered``
+    ``[B, H_kv, G]``)."""
+    band = ws.band
+    top = torch.maximum(ws.m, band.m)
+    top_safe = torch.where(top == -math.inf, 0.0, top)
+    first, second = torch.exp(ws.m - top_safe), torch.exp(band.m - top_safe)
+    ws.l.copy_(ws.l * first + band.l * second)
+    ws.o.copy_(ws.o * first[..., None] + band.o * second[..., None])
+    ws.m.copy_(top)
+    lowered_rows = torch.zeros(ws.counts[:, :, :1, 1].shape, dtype=torch.bool, device=lowered.device)
+    lowered_rows[..., : lowered.shape[-1]] = lowered[:, :, None, :]
+    skipped = torch.where(lowered_rows, band.counts[:, :, :, 1], ws.counts[:, :, :, 1])
+    ws.counts.add_(band.counts)
+    ws.counts[:, :, :, 1].copy_(skipped)
 
 
 def fallback_flags(ws: GpuWorkspace, layout: RequestLayout, h_kv: int, fraction: float) -> None:

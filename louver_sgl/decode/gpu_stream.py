@@ -5,7 +5,9 @@ Launches: the threshold pass of ``triton`` (``exact_part``; certified: ``certifi
 ``certified_threshold``) -> ``filter_survivors`` (page bounds, token bounds, GQA union; every
 (request, KV head, segment) compacts its survivors into its list) -> fallback flags (union over
 the dense-fallback fraction, or a segment list past its capacity) -> ``attend_survivors``
-(the request's survivors shared evenly by the splits) -> the dense fallback pass where a request
+(the request's survivors shared evenly by the splits) -> for the a-posteriori certified rule
+``triton``'s check and band pass (``gpu.a_posteriori_band``; its fused kernel gates the band by
+the filter's arithmetic) and the fallback flags again -> the dense fallback pass where a request
 can be flagged -> ``merge``. Same contract, statistics and workspace as ``triton``, plus the
 survivor lists, allocated with it; nothing reads the device on the host. With
 ``certified_passes=1`` the threshold launches are the one-pass rule's (``_one_pass_thresholds``).
@@ -19,7 +21,7 @@ import torch
 
 from . import threshold as th
 from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout, gates_values
-from .gpu import GpuWorkspace, TritonDecode, dense_fallback_pass, fallback_flags, threshold_pass
+from .gpu import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
@@ -108,17 +110,26 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     else:
         threshold_pass(q, k_cache, ws, store, sigma, config, launch)
         stream.filter_survivors(*filter_args, positions=keep is not None)
-    fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     capacity = lists.slot.shape[3]
     torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
     torch.gt(lists.peak, capacity, out=lists.overflow)
-    ws.fallback.logical_or_(lists.overflow)
+    _flags(ws, lists, config, h_kv)
+    z_union = ws.band.z_union if ws.band is not None else None
     stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
                             ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, gates_values(config), VALUE_GATE.rel,
-                            kern._kv_dtype(k_cache), launch, attended=keep)
+                            kern._kv_dtype(k_cache), launch, attended=keep, z_union=z_union)
+    if ws.band is not None:  # the band's union candidates count towards the fallback decision
+        a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep, skip=ws.fallback)
+        _flags(ws, lists, config, h_kv)
     if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+
+
+def _flags(ws: GpuWorkspace, lists: SurvivorLists, config, h_kv: int) -> None:
+    """ws.fallback: union over the dense-fallback fraction, or a survivor list past its capacity."""
+    fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
+    ws.fallback.logical_or_(lists.overflow)
 
 
 def _one_pass_thresholds(q, k_cache, ws: GpuWorkspace, lists: SurvivorLists, store, sigma: float, config, launch,
