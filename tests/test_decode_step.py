@@ -240,14 +240,25 @@ def test_certified_prunes_peaked_attention(impl):
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
-def test_dense_fallback_above_fraction(impl):
-    """A request whose candidates exceed the fraction runs dense and says so."""
+def test_dense_fallback_above_fraction(impl, monkeypatch):
+    """A request whose candidates exceed the fraction runs dense and says so; the compiled dense
+    policy does not run its own step a second time as the fallback (it already attended every
+    key), while a certified step over the fraction does run the dense step."""
+    from louver_sgl.decode import fused
+
+    fallbacks = []
+    real = fused._dense_fallback
+    monkeypatch.setattr(fused, "_dense_fallback", lambda *a: fallbacks.append(1) or real(*a))
     cfg = LouverConfig(page_size=16, policy="dense", dense_fallback_fraction=0.5)
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 0.125
     out, stats = louver_decode(q, k, v, table, lens, store, sigma, impl=impl)
     assert bool(stats.dense_fallback[stats.num_indexed > 0].all())
     torch.testing.assert_close(out, _dense_rows(q, k, v, table, lens, sigma, 16), atol=2e-5, rtol=1e-5)
+    assert not fallbacks, "the dense policy ran its step twice"
+    if impl == "cpu":
+        louver_decode(q, k, v, table, lens, store, sigma, config=cfg.with_(policy="certified"), impl=impl)
+        assert fallbacks, "a certified step over the fraction did not take the dense step"
 
 
 @pytest.mark.parametrize("policy", ["certified", "budget"])
