@@ -295,3 +295,26 @@ def test_the_triton_band_reads_nothing_on_the_host(impl, monkeypatch):
     monkeypatch.undo()
     assert bool(decode.impl.workspace.band.lowered.any())
     torch.testing.assert_close(out, before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton", "triton_stream"])
+def test_a_batch_without_indexed_pages(impl):
+    """Only short requests (every key in the dense part, as a server's warm-up request or a batch
+    of new requests): the step runs (no band buffers to fill) and attends every key, bound 0."""
+    needs_impl(impl)
+    config = LouverConfig(page_size=16, policy="certified", eps=1e-2, sample_size=32, certified_rule="a_posteriori")
+    lens = [20, 9, 40]
+    k, v, table, seq_lens = make_paged(lens, 16, 2, 64, seed=3)
+    layout = dict(code_layout="token") if impl.startswith("triton") else {}
+    store = PageIndexStore(config, len(k) // 16, 2, 64, torch.float32, **layout)
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = torch.randn(len(lens), 6, 64, generator=torch.Generator().manual_seed(4))
+    decode = LouverDecode(config, "cpu", impl=impl)
+    decode.plan(table, seq_lens)
+    out, stats, masks = decode.run(q, k, v, store, 0.125, attended=True)
+    assert bool((stats.num_indexed == 0).all()) and all(bool(m.all()) for m in masks)
+    assert float(stats.mass_bound.abs().max()) == 0.0
+    for b in range(len(lens)):
+        scores, values = fp64_request(q, k, v, table, seq_lens, b, 16)
+        want = torch.einsum("hl,lhd->hd", torch.softmax(0.125 * scores, dim=1), values)
+        torch.testing.assert_close(out[b].double(), want, atol=2e-5 * float(values.abs().max()), rtol=0)

@@ -394,7 +394,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
-    if (a_posteriori) {
+    if (a_posteriori && p.page_ids.numel() > 0) {  // no indexed page: nothing to lower, the histogram path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
       torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
       estimated_z(p, estimate_share, z_est.data_ptr<double>());

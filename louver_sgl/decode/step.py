@@ -96,7 +96,7 @@ class _Candidates:
 def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) -> _Candidates:
     """The GQA-union candidates of ``filt`` (none for ``fallback`` requests), scored exactly."""
     h_kv = k_cache.shape[1]
-    keep = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, -1)
+    keep = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, q32.shape[1] // h_kv)  # no -1: 0 pages
     union = keep.any(-1) & ~fallback[plan.page_req[filt.surviving]][:, None, None]
     return _score(q32, k_cache, union, filt.surviving, plan)
 
@@ -104,7 +104,8 @@ def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) ->
 def _union_rows(filt: FilterResult, plan: DecodePlan, h_kv: int) -> torch.Tensor:
     """The GQA union of ``filt``'s candidates over every page row of the plan, ``[NP, P, H_kv]`` bool."""
     full = torch.zeros(len(plan.page_ids), plan.page_size, h_kv, dtype=torch.bool)
-    full[filt.surviving] = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, -1).any(-1)
+    groups = filt.keep.shape[-1] // h_kv
+    full[filt.surviving] = filt.keep.view(len(filt.surviving), plan.page_size, h_kv, groups).any(-1)
     return full
 
 
