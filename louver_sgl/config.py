@@ -59,7 +59,7 @@ class LouverConfig:
       recent_pages: trailing full pages (before the tail) that are always attended densely.
       dense_fallback_fraction: a request whose candidate fraction exceeds this runs dense. The
         compiled steps (``cpu``, ``triton``) decide it after their sparse pass, so a fallback adds
-        a dense step to the sparse one (1.7-2.1x the sparse step at 8K and 32K): the default 1.0
+        a dense step to the sparse one (about 2x the sparse step at 8K and 32K): the default 1.0
         never falls back; below 1 it trades time for dense outputs at high fractions.
       min_sparse_tokens: requests with fewer tokens attend every key densely (no index read);
         short contexts are faster dense. A tuned-profile knob; 0 sends every request through the index.

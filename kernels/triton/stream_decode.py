@@ -295,5 +295,6 @@ def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback,
         attended.stride(1) if attended is not None else 0, float(sigma), lists["slot"].shape[3],
         S=splits, SP=triton.next_power_of_2(splits), D=dim, DV=d_v, G=heads // h_kv, BG=counts.shape[-1],
         BLOCK_N=launch.survivor_block, QHI=pv_dtype, PV=pv_dtype, GATE=gate, GATE_REL=float(gate_rel),
-        KEEP_OUT=attended is not None, Z_UNION=z_union is not None, num_warps=launch.survivor_warps, num_stages=launch.survivor_stages,
+        KEEP_OUT=attended is not None, Z_UNION=z_union is not None, num_warps=launch.survivor_warps,
+        num_stages=launch.survivor_stages,
     )

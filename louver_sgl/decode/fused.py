@@ -253,15 +253,16 @@ class CompiledLayer:
     (``StepPlan`` in ``plan.derived``). Made by a layer's first step; ``CpuDecode`` keeps it so that
     later steps skip straight to ``run``."""
 
-    __slots__ = ("layer", "dense_layer", "dense", "plan_key", "k_cache", "v_cache", "store", "sigma")
+    __slots__ = ("layer", "dense_layer", "plan_key", "k_cache", "v_cache", "store", "sigma")
 
     def __init__(self, ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
                  plan_key: tuple):
         self.layer = _layer_step(ops, k_cache, v_cache, store, sigma, config)
-        # the dense policy's step (T = −inf: every key a candidate and attended) for fallbacks
+        # the dense policy's step (T = −inf: every key a candidate and attended) for fallbacks; a
+        # dense-policy layer needs none, its own step already attends every key
         dense = config.with_(policy="dense", dense_fallback_fraction=1.0)
-        self.dense_layer = _layer_step(ops, k_cache, v_cache, store, sigma, dense)
-        self.dense = config.policy == "dense"  # then the fallback would run the same step twice
+        self.dense_layer = None if config.policy == "dense" else _layer_step(ops, k_cache, v_cache, store, sigma,
+                                                                             dense)
         # the caches and the store stay referenced: the implementation's key holds their id()s,
         # which must not be reused while the entry lives
         self.plan_key, self.k_cache, self.v_cache, self.store, self.sigma = plan_key, k_cache, v_cache, store, sigma
@@ -272,7 +273,7 @@ class CompiledLayer:
         ``keep`` (debug only): a u8 ``[NP, P, H_q]`` buffer the step fills with its attended set."""
         out, packed, any_fallback = self.layer.run(q, cpu[2], out, keep)
         stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
-        if any_fallback and not self.dense:  # the dense policy's own step already attended every key
+        if any_fallback and self.dense_layer is not None:
             _dense_fallback(self.dense_layer, q, cpu, stats, out, plan, keep)
         return out, stats
 

@@ -52,10 +52,9 @@ class BandBuffers:
 
     @classmethod
     def like(cls, ws: "GpuWorkspace") -> "BandBuffers":
-        heads = ws.ref.shape
         return cls(first=torch.empty_like(ws.threshold), second=torch.empty_like(ws.threshold),
                    second_cert=torch.zeros_like(ws.certificate),
-                   lowered=torch.zeros(heads, dtype=torch.bool, device=ws.ref.device),
+                   lowered=torch.zeros(ws.ref.shape, dtype=torch.bool, device=ws.ref.device),
                    z_union=torch.zeros(ws.m.shape, dtype=torch.float64, device=ws.m.device),
                    m=torch.empty_like(ws.m), l=torch.empty_like(ws.l), o=torch.empty_like(ws.o),
                    counts=torch.empty_like(ws.counts), mass=torch.empty_like(ws.mass))
@@ -253,7 +252,8 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     if ws.band is not None:
         a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
-    if config.dense_fallback_fraction < 1.0:  # a request can exceed the fraction only below 1
+    # a request can exceed the fraction only below 1; the dense policy's attend pass was dense already
+    if config.dense_fallback_fraction < 1.0 and config.policy != "dense":
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
 
