@@ -43,6 +43,7 @@ class BandBuffers:
     second: torch.Tensor  # [Bmax, H_q] fp32: T1 from Z_att, then the band pass's level (+inf: not lowered)
     second_cert: torch.Tensor  # [Bmax, H_q] fp64: the certificate at T1
     lowered: torch.Tensor  # [Bmax, H_q] bool: heads whose first level did not fit eps·Z_att
+    z_att: torch.Tensor  # [Bmax, H_q] fp64: the Z_att the certificate was checked against
     z_union: torch.Tensor  # [Bmax, H_kv, S, BG] fp64: the first pass's union mass (Z_att) per split
     m: torch.Tensor  # [Bmax, H_kv, S, BG] fp32: the band pass's split state, as GpuWorkspace's
     l: torch.Tensor
@@ -55,6 +56,7 @@ class BandBuffers:
         return cls(first=torch.empty_like(ws.threshold), second=torch.empty_like(ws.threshold),
                    second_cert=torch.zeros_like(ws.certificate),
                    lowered=torch.zeros(ws.ref.shape, dtype=torch.bool, device=ws.ref.device),
+                   z_att=torch.zeros_like(ws.certificate),
                    z_union=torch.zeros(ws.m.shape, dtype=torch.float64, device=ws.m.device),
                    m=torch.empty_like(ws.m), l=torch.empty_like(ws.l), o=torch.empty_like(ws.o),
                    counts=torch.empty_like(ws.counts), mass=torch.empty_like(ws.mass))
@@ -324,7 +326,7 @@ def a_posteriori_band(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float
     h_kv = k_cache.shape[1]
     groups = heads // h_kv
     eps_budget = config.eps * BUDGET_SAFETY
-    z_att = torch.fmax(ws.z_lb, band.z_union[..., :groups].sum(2).reshape(batch, heads))
+    z_att = torch.fmax(ws.z_lb, band.z_union[..., :groups].sum(2).reshape(batch, heads), out=band.z_att)
     band.first.copy_(ws.threshold)
     kern.certified_threshold(ws.hist, ws.habs, ws.ref, z_att, band.second, band.second_cert, sigma, eps_budget,
                              HIST_ROUNDING, h_kv, EDGES, launch)
@@ -372,6 +374,11 @@ def step_stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
     groups = heads // h_kv
     per_head = lambda x: x[..., :groups].sum(2).reshape(batch, heads)
     z_final = torch.maximum(ws.z_lb, ws.z_att)
+    if ws.band is not None:
+        # a head attends its own candidates, but its certificate was checked against the mass of
+        # the group's whole union at T0: also a lower bound of Z, and the one the bound is reported
+        # against (the head's own attended mass alone can be smaller: the report exceeded eps)
+        z_final = torch.fmax(z_final, ws.band.z_att)
     if config.policy == "dense":
         dropped = torch.zeros_like(z_final)
     elif config.policy == "certified":
