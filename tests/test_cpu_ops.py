@@ -31,6 +31,87 @@ def _batch(dtype, groups=3, h_kv=2, dim=64, sample_size=40):
     return q, k, v, plan_decode(table, lens, cfg), cfg
 
 
+def _cancelling_batch(lens, groups=3, h_kv=2, dim=64, seed=3, size=1000.0):
+    """Keys whose products with the queries are large and cancel (a component of ``size`` times a
+    unit vector orthogonal to the group's queries, plus a small one along them): their fp32 scores
+    err by about 1e-3 in σ units, 30x the slack of the fp32 exps, so masses summed from the fp32
+    scores alone exceed the true keys' mass. One query for every request."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v, table, lens_t = make_paged(lens, 16, h_kv, dim, seed=seed)
+    q = (torch.randn(1, h_kv * groups, dim, generator=gen) * 2).expand(len(lens), -1, -1).contiguous()
+    for kv in range(h_kv):
+        basis, _ = torch.linalg.qr(q[0, kv * groups:(kv + 1) * groups].double().T)  # [D, G]
+        r = torch.randn(len(k), dim, generator=gen, dtype=torch.float64)
+        perp = r - (r @ basis) @ basis.T
+        along = torch.rand(len(k), 1, generator=gen, dtype=torch.float64) * 8 * basis[:, 0]
+        k[:, kv] = (size * perp / perp.norm(dim=1, keepdim=True) * math.sqrt(dim) + along).float()
+    return q, k, v, table, lens_t
+
+
+def _true_mass(q, k, slots, req, ref, sigma):
+    """fp64 Σ exp(σ(q·k − ref)) over rows (slots, req) per (request, head) ``[B, H_q]``."""
+    b, heads, dim = q.shape
+    h_kv = k.shape[1]
+    rows = q.double().view(b, h_kv, heads // h_kv, dim)[req]
+    s = torch.einsum("nkd,nkgd->nkg", k[slots].double(), rows).reshape(len(slots), heads)
+    out = torch.zeros(b, heads, dtype=torch.float64)
+    return out.index_add_(0, req, torch.exp(sigma * (s - ref.double()[req])))
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_exact_part_masses_bound_the_true_keys_mass(impl):
+    """Z_lb is a lower bound of the exactly scored keys' true mass although their fp32 scores err
+    (each part's scores lowered by their slack), and not a vacuous one."""
+    q, k, _, table, lens = _cancelling_batch([300, 700, 129, 64])
+    cfg = LouverConfig(page_size=16, sample_size=40)
+    plan, sigma = plan_decode(table, lens, cfg), 0.125
+    ex = exact_part(q, k, plan, sigma) if impl == "torch" else compiled_exact_part(q, k, plan, sigma, 40, OPS)[0]
+    dense = _true_mass(q, k, plan.dense_slots, plan.dense_req, ex.ref, sigma)
+    total = dense + _true_mass(q, k, plan.sample_slots, plan.sample_req, ex.ref, sigma)
+    assert bool((ex.z_dense <= dense).all()) and bool((ex.z_lb <= total).all())
+    assert bool((ex.z_lb >= 0.5 * total).all())
+
+
+def test_attend_pass_candidate_mass_bounds_the_true_keys_mass():
+    """The attend pass's union-candidate mass (the a-posteriori rule's Z_att terms) is a lower bound
+    of the candidates' true mass although their fp32 scores err: every indexed key is a candidate
+    at T = −1e30, so the bound is compared with the true mass of all of them."""
+    from louver_sgl import PageIndexStore
+    from louver_sgl.decode.fused import _Outputs, page_chunks
+
+    lens = [300, 700, 129]
+    q, k, v, table, lens_t = _cancelling_batch(lens)
+    cfg = LouverConfig(page_size=16, policy="fixed", sample_size=40)
+    plan = plan_decode(table, lens_t, cfg)
+    # one indexed key per request and KV head dominates its heads' candidate mass (about e^8 times
+    # the rest), so its own fp32 error is not averaged away: along Σ_g q_g/‖q_g‖, 12 times over
+    sampled = set(plan.sample_slots.tolist())
+    for b in range(len(lens)):
+        slot = next(int(s) for s in plan.page_ids[plan.page_req == b] * 16 + 5 if int(s) not in sampled)
+        for kv in range(2):
+            heads = q[b, 3 * kv:3 * kv + 3]
+            k[slot, kv] += 12 * (heads / heads.norm(dim=1, keepdim=True)).sum(0)
+    store = PageIndexStore(cfg, len(k) // 16, 2, 64, torch.float32)
+    store.build_pages(k, torch.arange(store.num_pages))
+    chunks = page_chunks(plan, 3)
+    out = _Outputs(len(lens), 6, 2, 64, len(chunks[0]), len(plan.dense_slots), cfg.sample_size)
+    plan_tensors = dict(dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
+                        sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunks[0],
+                        chunk_begin=chunks[1], chunk_end=chunks[2])
+    policy = dict(sigma=0.125, budget=-1.0, t_fixed=-1e30, value_gate=False, gate_rel=VALUE_GATE.rel,
+                  bits=cfg.grid_bits, page_size=16)
+    index = {n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")}
+    fused = {n: t for n, t in out.named().items() if n not in ("z_lb", "hist", "habs", "certificate")
+             and not n.startswith(("band_", "reserve_"))}
+    OPS.fused_step(q=q, k_cache=k, v_cache=v, **index, **plan_tensors, **policy, **fused)
+    slots = (plan.page_ids[:, None] * 16 + torch.arange(16)).reshape(-1)
+    req = plan.page_req.repeat_interleave(16)
+    want = _true_mass(q, k, slots, req, out.ref, 0.125)
+    got = out.masses[..., 2]
+    assert int(out.per_req[:, 0].sum()) == len(slots) * 2  # every indexed key, for both KV heads
+    assert bool((got <= want).all()) and bool((got >= 0.5 * want).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_exact_part_matches_torch(dtype):
     q, k, _, plan, cfg = _batch(dtype)

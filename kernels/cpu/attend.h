@@ -82,6 +82,10 @@ struct ChunkRunner {
   std::vector<int64_t> drop_count, cand_slot, value_rows, cand_pos;  // cand_pos: only with a.attended
   std::vector<char> keep_page, keep_res;  // keep_res: the page reaches t_reserve for the head
   std::vector<float> res_ub;  // [G, 16] the scanned block's token bounds (reserve entries)
+  // per head: the largest page magnitude (page_terms' mag) of the pages whose candidates the
+  // chunk has scored so far, and the references the candidates' masses are taken against
+  // (lifted for the lower bound mass[2], lowered for the upper bound mass[1]: set by flush)
+  std::vector<float> page_mag, mag_max, ref_low, ref_high;
   int64_t res_base = 0, res_n = 0;  // this chunk's reserve region and its entries
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
@@ -100,7 +104,8 @@ struct ChunkRunner {
         wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
         value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_res(args.groups, 0),
-        res_ub(16 * args.groups), st(args.groups) {
+        res_ub(16 * args.groups), page_mag(args.groups), mag_max(args.groups, 0.f), ref_low(args.groups),
+        ref_high(args.groups), st(args.groups) {
     set_reserve(chunk);
   }
 
@@ -127,6 +132,7 @@ struct ChunkRunner {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(st.begin(), st.end(), HeadState{});
     n_cand = n_union = n_values = n_pages_read = 0;
+    std::fill(mag_max.begin(), mag_max.end(), 0.f);
     set_reserve(chunk);
   }
 
@@ -137,7 +143,7 @@ struct ChunkRunner {
     page_row = i;
     load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
     page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
-               off.data(), pb.data());
+               off.data(), pb.data(), page_mag.data());
     open = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
@@ -151,6 +157,7 @@ struct ChunkRunner {
     }
     if (!open) return false;
     ++n_pages_read;
+    grow_magnitude();
     for (int64_t g = 0; g < G; ++g) {
       if (keep_page[g] || keep_res[g])
         off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
@@ -300,14 +307,31 @@ struct ChunkRunner {
     }
   }
 
+  // mag_max takes in the page terms' magnitudes of the page just opened (NaN propagates).
+  void grow_magnitude() {
+    for (int64_t g = 0; g < a.groups; ++g)
+      mag_max[g] = std::isnan(page_mag[g]) || std::isnan(mag_max[g]) ? NAN : std::max(mag_max[g], page_mag[g]);
+  }
+
   // The band pass over this chunk's reserve: the tokens whose bound reaches the lowered T for some
-  // head of the group, scored and attended in batches.
+  // head of the group, scored and attended in batches. The pages of its entries are not opened,
+  // but their magnitudes are taken in (page order: one codebook read per page).
   void run_reserve(int64_t chunk) {
-    const int64_t G = a.groups, n = a.reserve_count[chunk * a.h_kv + k];
+    const int64_t G = a.groups, D = a.dim, n = a.reserve_count[chunk * a.h_kv + k];
+    int64_t seen_row = -1;
     for (int64_t e = res_base; e < res_base + n; ++e) {
       bool on = false;
       for (int64_t g = 0; g < G; ++g) on |= !(a.reserve_bound[e * G + g] < a.t[head0 + g]);  // NaN keeps
       if (!on) continue;
+      const int64_t row = a.reserve_pos[e] / a.page_size;
+      if (row != seen_row) {
+        const int64_t meta = (a.page_ids[row] * a.h_kv + k) * D;
+        load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
+        page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
+                   off.data(), pb.data(), page_mag.data());
+        grow_magnitude();
+        seen_row = row;
+      }
       if (a.attended) cand_pos[n_cand] = a.reserve_pos[e];
       cand_slot[n_cand++] = a.reserve_slot[e];
       prefetch_bytes_l2(kc + (a.reserve_slot[e] * a.h_kv + k) * a.dim, a.dim * static_cast<int64_t>(sizeof(KV)));
@@ -342,6 +366,11 @@ struct ChunkRunner {
   void flush() {
     if (n_cand == 0) return;
     n_union += n_cand;
+    for (int64_t g = 0; g < a.groups; ++g) {  // every candidate's score errs by less than its page's slack
+      const float ref = a.ref[head0 + g], slack = score_slack(mag_max[g], a.dim);
+      ref_low[g] = lifted_ref(ref, slack);
+      ref_high[g] = -lifted_ref(-ref, slack);
+    }
     if (vector_scores) {
       score_candidates16();
     } else {
@@ -362,10 +391,9 @@ struct ChunkRunner {
       for (int64_t g = 0; g < G; ++g) {
         const float s = dot(buf.data(), a.q + (head0 + g) * D, static_cast<int>(D));
         score[g * P16 + c] = s;
-        const double e = rel_mass(a.sigma, s, a.ref[head0 + g]);
         const bool attend = !(s < a.t_gate[head0 + g]);
-        st[g].mass[2] += e;
-        if (!attend) st[g].mass[1] += e;
+        st[g].mass[2] += rel_mass(a.sigma, s, ref_low[g]);
+        if (!attend) st[g].mass[1] += rel_mass(a.sigma, s, ref_high[g]);
         if (attend) {
           attend_bits[g * (P16 / 16) + c / 16] |= uint16_t(1u << (c % 16));
           need_bits[c / 16] |= uint16_t(1u << (c % 16));
@@ -399,7 +427,7 @@ struct ChunkRunner {
         const __mmask16 attend = valid & ~_mm512_cmp_ps_mask(s, _mm512_set1_ps(a.t_gate[head0 + g]), _CMP_LT_OQ);
         attend_bits[g * (P16 / 16) + c0 / 16] = attend;
         need |= attend;
-        add_masses(s, valid, attend, st[g], a.ref[head0 + g]);
+        add_masses(s, valid, attend, st[g], g);
       }
       need_bits[c0 / 16] = need;
       // the V rows some head attends, into L2 as soon as they are known (the value loop fetches
@@ -472,7 +500,7 @@ struct ChunkRunner {
           _mm256_storeu_ps(score.data() + g * P16 + c0 + 8 * h, s);
           const uint32_t lanes = (valid >> (8 * h)) & 0xFFu;
           const uint32_t on = lanes & ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(s, gate, _CMP_LT_OQ)));
-          add_masses8(s, lanes, on, st[g], a.ref[head0 + g]);
+          add_masses8(s, lanes, on, st[g], g);
           attend |= on << (8 * h);
         }
         attend_bits[g * (P16 / 16) + c0 / 16] = static_cast<uint16_t>(attend);
@@ -486,22 +514,25 @@ struct ChunkRunner {
   }
 
   // add_masses for 8 lanes (bit i of valid / attend: lane i).
-  void add_masses8(__m256 s, uint32_t valid, uint32_t attend, HeadState& h, float ref) const {
-    const __m256 x = _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_sub_ps(s, _mm256_set1_ps(ref)));
-    h.mass[2] += double(exp_sum_low8(x, valid)) * kMassDown;
+  void add_masses8(__m256 s, uint32_t valid, uint32_t attend, HeadState& h, int64_t g) const {
+    const __m256 sig = _mm256_set1_ps(a.sigma);
+    h.mass[2] += double(exp_sum_low8(_mm256_mul_ps(sig, _mm256_sub_ps(s, _mm256_set1_ps(ref_low[g]))), valid)) * kMassDown;
     const uint32_t gated = valid & ~attend;
-    if (gated) h.mass[1] += double(exp_sum_high8(x, gated)) * kMassUp;
+    if (gated)
+      h.mass[1] += double(exp_sum_high8(_mm256_mul_ps(sig, _mm256_sub_ps(s, _mm256_set1_ps(ref_high[g]))), gated)) * kMassUp;
   }
 #endif
 
 #if defined(__AVX512F__)
-  // mass[2] += a lower bound of Σ e^{σ(s − ref)} over the valid lanes, mass[1] += an upper bound of
-  // the same over the valid lanes not attended (fp32 exps, see kMassDown / kMassUp).
-  void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, float ref) const {
-    const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(s, _mm512_set1_ps(ref)));
-    h.mass[2] += double(exp_sum_low16(x, valid)) * kMassDown;
+  // mass[2] += a lower bound of Σ e^{σ(s − ref)} over the valid lanes' true scores, mass[1] += an
+  // upper bound of the same over the valid lanes not attended (fp32 exps, see kMassDown / kMassUp;
+  // the fp32 scores' own error, through ref_low / ref_high) for head g.
+  void add_masses(__m512 s, __mmask16 valid, __mmask16 attend, HeadState& h, int64_t g) const {
+    const __m512 sig = _mm512_set1_ps(a.sigma);
+    h.mass[2] += double(exp_sum_low16(_mm512_mul_ps(sig, _mm512_sub_ps(s, _mm512_set1_ps(ref_low[g]))), valid)) * kMassDown;
     const __mmask16 gated = valid & ~attend;
-    if (gated) h.mass[1] += double(exp_sum_high16(x, gated)) * kMassUp;
+    if (gated)
+      h.mass[1] += double(exp_sum_high16(_mm512_mul_ps(sig, _mm512_sub_ps(s, _mm512_set1_ps(ref_high[g]))), gated)) * kMassUp;
   }
 #endif
 

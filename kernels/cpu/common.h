@@ -148,8 +148,10 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 // Query terms of one page and KV head, for its G query heads (see louver_sgl/index/grid.py):
 // token bound = off[g] + Σ_d w[g][d]·code_d; page bound pb[g]; both include the fp32 slack
 // (same formula as numerics.dot_slack with num_terms = 2·D + 2). lo/sc/rad are fp32 rows [D].
+// mag (optional) [G]: Σ_d |q_d|·(|lo_d| + 2^bits·|sc_d| + rad_d), at least Σ_d |q_d·k_d| for every key
+// of the page (|k_d − center_d| <= rad_d): the magnitude its exact scores' slack is taken from.
 inline void page_terms(const float* qk, const float* lo, const float* sc, const float* rad, int64_t G,
-                       int64_t D, int64_t bits, float* w, float* off, float* pb) {
+                       int64_t D, int64_t bits, float* w, float* off, float* pb, float* mag_out = nullptr) {
   const float levels = static_cast<float>(1 << bits);
   const float terms = static_cast<float>(2 * D + 2 + 8);
 #if defined(__AVX512F__)
@@ -169,8 +171,9 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
         radius = _mm512_fmadd_ps(qa, r, radius);
         mag = _mm512_fmadd_ps(qa, _mm512_add_ps(_mm512_fmadd_ps(lev, _mm512_abs_ps(s), _mm512_abs_ps(l)), r), mag);
       }
-      const float rsum = _mm512_reduce_add_ps(radius);
-      const float slack = _mm512_reduce_add_ps(mag) * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+      const float rsum = _mm512_reduce_add_ps(radius), msum = _mm512_reduce_add_ps(mag);
+      if (mag_out) mag_out[g] = msum;
+      const float slack = msum * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
       off[g] = _mm512_reduce_add_ps(o) + rsum + slack;
       pb[g] = _mm512_reduce_add_ps(page) + rsum + slack;
     }
@@ -190,6 +193,7 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
       radius += std::fabs(q) * r;
       mag += std::fabs(q) * (std::fabs(l) + levels * std::fabs(s) + r);
     }
+    if (mag_out) mag_out[g] = mag;
     const float slack = mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
     off[g] = o + radius + slack;
     pb[g] = page + radius + slack;
@@ -202,6 +206,31 @@ inline void load_codebook(const M* lo, const M* sc, const M* rad, int64_t D, flo
   load_f32(lo, D, dst);
   load_f32(sc, D, dst + D);
   load_f32(rad, D, dst + 2 * D);
+}
+
+// Exact scores s = q·k enter lower bounds of Z as s − score_slack(mag, D), mag >= Σ_d |q_d·k_d|: the
+// fp32 dot in any summation order errs by less (numerics.dot_slack with D + 2 terms; the two extra
+// terms cover the rounding of mag itself and of the lowered reference below).
+inline float score_slack(float mag, int64_t D) {
+  const float terms = static_cast<float>(D + 2 + 8);
+  return mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+}
+
+// ref + slack rounded up to fp32: σ·(s − lifted) is at most σ·(s − slack − ref), so masses taken
+// relative to the lifted reference are lower bounds of the true keys' masses relative to ref.
+inline float lifted_ref(float ref, float slack) {
+  const double x = double(ref) + double(slack);
+  const float r = static_cast<float>(x);
+  return double(r) < x ? std::nextafter(r, INFINITY) : r;
+}
+
+// An upper bound of ‖x‖₂ over n fp32 values: the fp32 sum of squares errs by less than 2^-10
+// relative for n <= 4096, the sqrt and the product by an ulp each.
+inline float norm_up(const float* x, int64_t n) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t d = 0; d < n; ++d) ss += x[d] * x[d];
+  return std::sqrt(ss * (1.f + 0x1p-9f)) * (1.f + 0x1p-20f);
 }
 
 // Integer form of one head's token weights: w_d ≈ step·wq_d with wq_d int8, so that

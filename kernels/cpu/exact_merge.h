@@ -43,6 +43,8 @@ struct ExactArgs {
   float *sd, *sp, *rp, *tp;  // s_dense [ND, H], sample [B, M, H], ref [B, H], t [B, H] (null: no budget)
   double* zp;                // z [B, H, 2]
   std::vector<int64_t> d_bounds, s_bounds;
+  std::vector<float> knorm_rows;  // [ND + NS, H_kv] upper bounds of the rows' key norms (kn)
+  float* kn = nullptr;
 };
 
 // Arguments of the exact phases; fills the sample buffer with −inf (its padding).
@@ -60,6 +62,8 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
   for (int64_t b = 0; b < e.B; ++b)
     TORCH_CHECK(e.s_bounds[b + 1] - e.s_bounds[b] <= e.M, "sample buffer narrower than a request's sample");
   std::fill(e.sp, e.sp + e.B * e.M * e.H, -INFINITY);
+  e.knorm_rows.resize((e.nd + e.ns) * e.h_kv);
+  e.kn = e.knorm_rows.data();
   return e;
 }
 
@@ -95,7 +99,10 @@ inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_
     for (int64_t r = row + 16; r < std::min(end, row + 32); ++r)  // the next block (rows are scattered)
       prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
     for (int64_t k = 0; k < e.h_kv; ++k) {
-      for (int64_t t = 0; t < n; ++t) load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
+      for (int64_t t = 0; t < n; ++t) {
+        load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
+        e.kn[(row + t) * e.h_kv + k] = norm_up(rows + t * D, D);
+      }
       for (int64_t g = 0; g < e.G; ++g) {
         __m512 v[16];
         staged_products16(rows, e.q + (b * e.H + k * e.G + g) * D, D, v);
@@ -126,10 +133,18 @@ inline void exact_rows(const ExactArgs& e, const KV* kc, int64_t begin, int64_t 
                      e.h_kv * e.D * static_cast<int64_t>(sizeof(KV)));
     for (int64_t k = 0; k < e.h_kv; ++k) {
       load_f32(kc + (slot * e.h_kv + k) * e.D, e.D, scratch);
+      e.kn[row * e.h_kv + k] = norm_up(scratch, e.D);
       for (int64_t g = 0; g < e.G; ++g)
         dst[k * e.G + g] = dot(scratch, e.q + (b * e.H + k * e.G + g) * e.D, static_cast<int>(e.D));
     }
   }
+}
+
+// The largest of n key-norm bounds src[i·stride] (0 for none; NaN propagates).
+inline float strided_max_norm(const float* src, int64_t stride, int64_t n) {
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) top = std::isnan(src[i * stride]) || std::isnan(top) ? NAN : std::max(top, src[i * stride]);
+  return top;
 }
 
 // Per (request, head) bh in [begin, end): ref (max exact score; NaN propagates, as in torch's
@@ -153,16 +168,22 @@ inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vec
 #endif
     e.rp[bh] = top;
     double zd = 0.0, zs = 0.0;
-    const double r = top;
     const int64_t d0 = e.d_bounds[b], nd = e.d_bounds[b + 1] - d0;
+    // every score of a part is lowered by the slack of its fp32 dot: ‖q‖·(the part's largest key
+    // norm) bounds each Σ_d |q_d·k_d| (step.exact_part is the specification)
+    const float qn = norm_up(e.q + bh * e.D, e.D);
+    const float lift_d = score_slack(qn * strided_max_norm(e.kn + d0 * e.h_kv + h / e.G, e.h_kv, nd), e.D);
+    const float lift_s = score_slack(
+        qn * strided_max_norm(e.kn + (e.nd + e.s_bounds[b]) * e.h_kv + h / e.G, e.h_kv, n_sample), e.D);
     if ((kHaveAvx512 || kHaveAvx2) && std::isfinite(top)) {  // lower bounds from fp32 exps (kMassDown)
 #if defined(__AVX512F__) || defined(LOUVER_AVX2)
-      zd = mass_lower(e.sd + d0 * H + h, H, nd, static_cast<float>(e.sigma), top);
-      zs = mass_lower(e.sp + b * M * H + h, H, n_sample, static_cast<float>(e.sigma), top);
+      zd = mass_lower(e.sd + d0 * H + h, H, nd, static_cast<float>(e.sigma), lifted_ref(top, lift_d));
+      zs = mass_lower(e.sp + b * M * H + h, H, n_sample, static_cast<float>(e.sigma), lifted_ref(top, lift_s));
 #endif
     } else {  // NaN / inf scores: the fp64 sums (NaN or inf propagate as in torch)
-      for (int64_t i = d0; i < d0 + nd; ++i) zd += std::exp(e.sigma * (double(e.sd[i * H + h]) - r));
-      for (int64_t j = 0; j < n_sample; ++j) zs += std::exp(e.sigma * (double(e.sp[(b * M + j) * H + h]) - r));
+      const double rd = double(top) + lift_d, rs = double(top) + lift_s;
+      for (int64_t i = d0; i < d0 + nd; ++i) zd += std::exp(e.sigma * (double(e.sd[i * H + h]) - rd));
+      for (int64_t j = 0; j < n_sample; ++j) zs += std::exp(e.sigma * (double(e.sp[(b * M + j) * H + h]) - rs));
     }
     e.zp[bh * 2] = zd;
     e.zp[bh * 2 + 1] = zs;

@@ -2,7 +2,9 @@
 
 One request and one query head at a time, with every rule written out directly:
   1. Dense part D = sink pages ∪ recent pages ∪ tail; indexed part = the other full pages.
-  2. Exact scores s_i = q·k_i; ref m = max over D ∪ sample; Z_lb = Σ_{D ∪ sample} e^{σ(s − m)}.
+  2. Exact scores s_i = q·k_i; ref m = max over D ∪ sample; Z_lb = Σ_{D ∪ sample} e^{σ(s − δ − m)},
+     δ the fp32 slack of the score (``numerics.score_slack``; D and the sample each take ‖q‖ times
+     their largest key norm, candidates their own), so Z_lb bounds the true keys' mass.
   3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first; with
      ``certified_passes=1`` the provisional level where every head's dropped mass fits there;
      with ``certified_rule="a_posteriori"`` the level that fits an estimate of Z, lowered where
@@ -20,6 +22,7 @@ import math
 import torch
 
 from ..config import LouverConfig
+from ..index.numerics import norm_up, score_slack
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .plan import _sample_positions, split_pages
@@ -57,11 +60,19 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     known[sample] = True
     ref = torch.where(known, scores, float("-inf")).amax(dim=1)
     x_all = th.log_mass(scores, ref[:, None], sigma)
-    z_lb = torch.where(known, torch.exp(x_all), 0.0).sum(1)
+    # masses in lower bounds take every score lowered by its fp32 slack (numerics.score_slack):
+    # the dense part and the sample by ‖q‖ times their largest key norm, candidates by their own
+    k_norm = norm_up(keys.float()).repeat_interleave(groups, dim=1).T  # [H_q, L]
+    slack = score_slack(norm_up(q)[:, None], k_norm, q.shape[1])
+    part = lambda rows: score_slack(norm_up(q), k_norm[:, rows].amax(1) if rows.any() else torch.zeros(h_q), q.shape[1])
+    is_sample = torch.zeros(n, dtype=torch.bool)
+    is_sample[sample] = True
+    x_low = x_all - sigma * slack
+    z_dense = torch.where(dense, torch.exp(x_all - sigma * part(dense)[:, None]), 0.0).sum(1)
+    z_lb = z_dense + torch.where(is_sample, torch.exp(x_all - sigma * part(is_sample)[:, None]), 0.0).sum(1)
     pb, tb = _request_bounds(q, pages_row[indexed.start:indexed.stop].long(), store, h_q)
     if cfg.policy == "certified" and cfg.certified_rule == "a_posteriori" and len(idx_pos):
-        z_dense = torch.where(dense, torch.exp(x_all), 0.0).sum(1)
-        t, keep, dropped = _a_posteriori(pb, tb, x_all[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
+        t, keep, dropped = _a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
                                          groups)
     else:
         t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
@@ -72,10 +83,9 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
         info = {"threshold": t, "attended": att, "mass_bound": torch.zeros(h_q, dtype=torch.float64), "dense_fallback": True}
         return _softmax_out(scores, values, att, sigma, groups), info
     s_idx = scores[:, idx_pos]
-    z_final = torch.maximum(z_lb, torch.where(dense, torch.exp(x_all), 0.0).sum(1)
-                            + torch.where(union, torch.exp(x_all[:, idx_pos]), 0.0).sum(1))
+    z_final = torch.maximum(z_lb, z_dense + torch.where(union, torch.exp(x_low[:, idx_pos]), 0.0).sum(1))
     below = union & (s_idx < th.gate_threshold(t)[:, None])
-    gated = torch.where(below, torch.exp(x_all[:, idx_pos]), 0.0).sum(1)
+    gated = torch.where(below, torch.exp((x_all + sigma * slack)[:, idx_pos]), 0.0).sum(1)  # an upper bound
     allowed = torch.full((h_q,), cfg.value_gate and cfg.policy in ("budget", "fixed"))
     att = dense.expand(h_q, n).clone()
     att[:, idx_pos] = union & ~(below & allowed[:, None])

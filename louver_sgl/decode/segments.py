@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..index.numerics import norm_up, score_slack
+
 
 def seg_amax(values: torch.Tensor, seg: torch.Tensor, num_segs: int) -> torch.Tensor:
     """Per-segment max: values ``[n, H]``, seg ``[n]`` -> ``[num_segs, H]`` (−inf if empty)."""
@@ -33,3 +35,13 @@ def exact_scores(
     keys = k_cache[slots].to(torch.float32)  # [n, H_kv, D]
     rows = q.view(b, h_kv, h_q // h_kv, dim)[req]  # [n, H_kv, G, D]
     return torch.einsum("nkd,nkgd->nkg", keys, rows).reshape(len(slots), h_q)
+
+
+def part_slack(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+    """Per (request, query head) the slack of every exact score of a part's rows (``slots``,
+    ``req`` ``[n]``): ``numerics.score_slack`` of ‖q_h‖ and the part's largest key norm for h's
+    KV head, ``[B, H_q]`` fp64 (0 where the request has no row in the part)."""
+    b, h_q, dim = q.shape
+    h_kv = k_cache.shape[1]
+    k_norm = seg_amax(norm_up(k_cache[slots].to(torch.float32)), req, b).clamp(min=0.0)  # [B, H_kv]
+    return score_slack(norm_up(q), k_norm.repeat_interleave(h_q // h_kv, dim=1), dim)

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LouverConfig
+from ..index.numerics import norm_up, score_slack
 from . import threshold as th
 from .contract import DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values
 from .filter import FilterResult, a_posteriori_filter, a_posteriori_second, run_filter
 from .plan import plan_decode
-from .segments import exact_scores, seg_amax, seg_sum
+from .segments import exact_scores, part_slack, seg_amax, seg_sum
 
 
 class TorchDecode(DecodeImplementation):
@@ -72,14 +73,22 @@ def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=
 
 
 def exact_part(q32: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan, sigma: float) -> ExactPart:
-    """Exact scores of the dense part and the sample, the reference score and Z_lb."""
+    """Exact scores of the dense part and the sample, the reference score and Z_lb. The masses
+    take each part's scores lowered by their fp32 slack (``segments.part_slack``): lower bounds
+    of the true keys' mass."""
     batch = plan.batch_size
     s_dense = exact_scores(q32, k_cache, plan.dense_slots, plan.dense_req)
     s_sample = exact_scores(q32, k_cache, plan.sample_slots, plan.sample_req)
     ref = seg_amax(torch.cat([s_dense, s_sample]), torch.cat([plan.dense_req, plan.sample_req]), batch)
-    z_dense = seg_sum(torch.exp(th.log_mass(s_dense, ref[plan.dense_req], sigma)), plan.dense_req, batch)
-    z_sample = seg_sum(torch.exp(th.log_mass(s_sample, ref[plan.sample_req], sigma)), plan.sample_req, batch)
+    z_dense = _part_mass(q32, k_cache, s_dense, plan.dense_slots, plan.dense_req, ref, sigma)
+    z_sample = _part_mass(q32, k_cache, s_sample, plan.sample_slots, plan.sample_req, ref, sigma)
     return ExactPart(s_dense, ref, z_dense, z_dense + z_sample, _pad_sample(s_sample, plan, batch))
+
+
+def _part_mass(q32, k_cache, scores, slots, req, ref, sigma) -> torch.Tensor:
+    """Σ exp(σ(s − slack − ref)) over a part's rows per (request, head), ``[B, H_q]`` fp64."""
+    lowered = th.log_mass(scores, ref[req], sigma) - sigma * part_slack(q32, k_cache, slots, req)[req]
+    return seg_sum(torch.exp(lowered), req, ref.shape[0])
 
 
 @dataclass
@@ -91,6 +100,7 @@ class _Candidates:
     req: torch.Tensor  # [Nc] int64
     scores: torch.Tensor  # [Nc, G] fp32 exact scores of the group's query heads
     seg: torch.Tensor  # [Nc, G] int64 flat (request, query head) index of each score
+    slack: torch.Tensor  # [Nc, G] fp64 bound on each score's fp32 error (numerics.score_slack)
 
 
 def _candidates(q32, k_cache, filt: FilterResult, plan: DecodePlan, fallback) -> _Candidates:
@@ -134,14 +144,16 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
 
 
 def _cat(a: _Candidates, b: _Candidates) -> _Candidates:
-    return _Candidates(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("slots", "kv_head", "req", "scores", "seg")))
+    return _Candidates(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("slots", "kv_head", "req", "scores", "seg", "slack")))
 
 
-def _candidate_mass(cand: _Candidates, ref, sigma, batch, gate) -> torch.Tensor:
+def _candidate_mass(cand: _Candidates, ref, sigma, batch, gate, upper: bool = False) -> torch.Tensor:
     """Σ exp(σ(s − ref)) over candidate entries (those ``gate`` ``[Nc, G]`` attends, or all),
-    per (request, query head) ``[B, H_q]`` fp64."""
+    per (request, query head) ``[B, H_q]`` fp64: a lower bound of the true keys' mass (each s
+    lowered by its slack), or with ``upper`` an upper bound (raised by it)."""
     heads = ref.shape[1]
-    mass = torch.exp(th.log_mass(cand.scores, ref.view(-1)[cand.seg], sigma).clamp(max=700.0))
+    shift = sigma * cand.slack if upper else -sigma * cand.slack
+    mass = torch.exp((th.log_mass(cand.scores, ref.view(-1)[cand.seg], sigma) + shift).clamp(max=700.0))
     if gate is not None:
         mass = mass * gate
     out = torch.zeros(batch * heads, dtype=torch.float64)
@@ -162,7 +174,8 @@ def _score(q32, k_cache, union: torch.Tensor, rows: torch.Tensor, plan: DecodePl
     q_rows = q32.view(batch, h_kv, groups, dim)[req, kv_head]  # [Nc, G, D]
     scores = torch.einsum("nd,ngd->ng", keys, q_rows)
     seg = req[:, None] * heads + kv_head[:, None] * groups + torch.arange(groups)
-    return _Candidates(slots, kv_head, req, scores, seg)
+    slack = score_slack(norm_up(q_rows), norm_up(keys)[:, None], dim)
+    return _Candidates(slots, kv_head, req, scores, seg, slack)
 
 
 @dataclass
@@ -182,7 +195,7 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     flat = cand.seg
     z_final = torch.maximum(z_lb, z_dense + _candidate_mass(cand, ref, sigma, batch, gate=None))
     below = cand.scores < th.gate_threshold(filt.threshold).view(-1)[flat]
-    gated = _candidate_mass(cand, ref, sigma, batch, gate=below)
+    gated = _candidate_mass(cand, ref, sigma, batch, gate=below, upper=True)
     allowed = torch.full_like(z_final, gates_values(config), dtype=torch.bool)
     attend = ~(below & allowed.view(-1)[flat])
     dropped = filt.dropped + gated * allowed

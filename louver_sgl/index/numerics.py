@@ -46,6 +46,15 @@ def dot_slack(magnitude: torch.Tensor, num_terms: int) -> torch.Tensor:
     return magnitude * (2.0 * (num_terms + 8) * FP32_UNIT_ROUNDOFF) + (num_terms + 8) * 2.0**-130
 
 
+def score_slack(q_norm: torch.Tensor, k_norm: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp64 bound on the error of an fp32 score q·k (any summation order) from norm bounds
+    ``q_norm``, ``k_norm`` (broadcast): ``dot_slack`` of ‖q‖·‖k‖ ≥ Σ|q_d·k_d| with D + 2
+    terms (the two extra cover the rounding of the product and of the lowered score). Lower bounds
+    of Z take every exact score as s − slack, so they bound the true keys' mass, not the fp32
+    scores'."""
+    return dot_slack(q_norm.to(torch.float64) * k_norm.to(torch.float64), dim + 2)
+
+
 def norm_up(x: torch.Tensor) -> torch.Tensor:
     """Euclidean norm over the last dim, computed in fp64 (no fp32 underflow of tiny queries)
     and rounded up to fp32."""
