@@ -4,8 +4,9 @@ The baseline build (``--baseline-src``: the kernels/cpu folder of another source
 ``git worktree`` of an earlier revision) is compiled under its own module name beside this
 tree's, and both builds' ``LayerStep.run`` are timed on the same plan and caches, call by call in
 alternation with the fastest dense path (paired medians: drift of a noisy machine hits all alike).
-The baseline is driven through the positional boundary of revision 6496b39 (``StepPlan(plan
-tensors, buffers)``, a 15-value ``LayerStep``); both outputs are compared. This tree's whole
+The baseline is driven through the named boundary of this tree's step (``StepPlan`` and
+``LayerStep`` by keyword: a baseline from before that boundary does not load); both outputs are
+compared (equal unless the change alters the arithmetic). This tree's whole
 ``LouverDecode.run`` is timed too (the wrapper's Python overhead over the bare kernel call).
 
     python -m benchmarks.ab_cpu_kernels --baseline-src ../before/kernels/cpu \
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import statistics
 import time
 from datetime import date
@@ -27,14 +30,12 @@ from louver_kernels.cpu_ops import DEFAULT_CACHE
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
-from louver_sgl.decode import threshold as th
-from louver_sgl.decode.contract import gates_values
-from louver_sgl.decode.fused import _Outputs, compiled_ops, page_chunks
-from louver_sgl.decode.plan import plan_decode
+from louver_sgl.decode.fused import _layer_step, _Outputs, _step_plan, compiled_ops, has_band_pass, page_chunks
 
 from .decode_cpu import INDEXES, dense_variants, timeit
 
 POLICIES = {"budget-0.05": dict(policy="budget", budget=0.05), "certified-1e-2": dict(policy="certified", eps=1e-2),
+            "certified-1e-2-a-posteriori": dict(policy="certified", eps=1e-2, certified_rule="a_posteriori"),
             "certified-1e-3": dict(policy="certified", eps=1e-3)}
 
 
@@ -49,29 +50,40 @@ def build_baseline(source_dir: Path):
                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
 
 
-def baseline_step(ops, pb, store, config):
-    """The baseline build's LayerStep.run through its positional boundary (buffers of its own)."""
-    plan = plan_decode(pb.page_table, pb.seq_lens, config)
-    chunks = page_chunks(plan, 64)
-    heads = pb.q.shape[1]
-    part = _Outputs(plan.batch_size, heads, pb.k.shape[1], pb.v.shape[2], len(chunks[0]), len(plan.dense_slots),
-                    config.sample_size)
-    step_plan = ops.StepPlan([plan.dense_slots, plan.dense_req, plan.sample_slots, plan.sample_req, plan.page_ids,
-                              *chunks, plan.num_indexed, plan.page_req],
-                             [torch.empty(plan.batch_size, heads, pb.q.shape[2]), *(part.named()[n] for n in part.NAMES)])
-    t_static = th.static_threshold_value(config)
-    meta = store.tensors
-    layer = ops.LayerStep(pb.k, pb.v, meta["lo"], meta["scale"], meta["radius"], meta["codes"], float(pb.sigma),
-                          float(config.budget if config.policy == "budget" else -1.0),
-                          0.0 if t_static is None else t_static, gates_values(config), config.grid_bits,
-                          config.page_size, float(config.dense_fallback_fraction),
-                          config.eps * th.BUDGET_SAFETY if config.policy == "certified" else -1.0, th.HIST_ROUNDING)
+class _Named:
+    """An ``_Outputs`` stand-in with a chosen set of buffers (``_step_plan`` reads ref and named())."""
+
+    def __init__(self, buffers: dict, ref: torch.Tensor):
+        self.buffers, self.ref = buffers, ref
+
+    def named(self) -> dict:
+        return self.buffers
+
+
+def baseline_step(ops, pb, store, config, plan, chunk_pages: int):
+    """The baseline build's LayerStep.run on its own plan side (buffers of its own), through the
+    named boundary this tree's step has (``fused._layer_step`` / ``fused._step_plan``)."""
+    chunks = page_chunks(plan, chunk_pages)
+    band = (len(plan.page_ids), plan.page_size) if has_band_pass(config) else None
+    part = _Outputs(plan.batch_size, pb.q.shape[1], pb.k.shape[1], pb.v.shape[2], len(chunks[0]),
+                    len(plan.dense_slots), config.sample_size, band=band)
+    buffers = part.named()
+    while True:  # buffers added since the baseline are left out (it refuses them by name)
+        try:
+            _, _, step_plan = _step_plan(ops, plan, chunks, _Named(buffers, part.ref), pb.q.shape[2])
+            break
+        except ValueError as exc:
+            unknown = re.fullmatch(r"StepPlan: unknown argument '(\w+)'", str(exc))
+            if unknown is None or unknown[1] not in buffers:
+                raise
+            buffers.pop(unknown[1])
+    layer = _layer_step(ops, pb.k, pb.v, store, pb.sigma, config)
     return lambda: layer.run(pb.q, step_plan, None)
 
 
-def run_case(trace, layer: int, batch: int, old_ops, rounds: int) -> list[dict]:
-    base = INDEXES["grid-4bit-p128"]
-    pb = paged_batch(trace, layer, batch, base["page_size"], huge_pages=True)
+def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str) -> list[dict]:
+    base = INDEXES[index]
+    pb = paged_batch(trace, layer, batch, LouverConfig(**base).page_size, huge_pages=True)
     variants = dense_variants(pb, True)
     best = min(variants, key=lambda n: timeit(variants[n], 5))
     rows = []
@@ -83,12 +95,13 @@ def run_case(trace, layer: int, batch: int, old_ops, rounds: int) -> list[dict]:
         decode.run(pb.q, pb.k, pb.v, store, pb.sigma)  # makes the layer and plan sides
         (compiled,) = decode.impl.layers.values()
         side = decode.current_plan.derived[compiled.plan_key]
-        fns = {"dense": variants[best], "old": baseline_step(old_ops, pb, store, config),
+        old = baseline_step(old_ops, pb, store, config, decode.current_plan, decode.impl.launch.chunk_pages)
+        fns = {"dense": variants[best], "old": old,
                "new": lambda: compiled.layer.run(pb.q, side[2], None),
                "new_wrapper": lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)}
         equal = torch.equal(fns["old"]()[0], fns["new"]()[0])
         ms = alternating_medians(fns, rounds)
-        rows.append({"layer": layer, "batch": batch, "policy": name, "dense": best,
+        rows.append({"layer": layer, "batch": batch, "index": index, "policy": name, "dense": best,
                      **{f"{k}_ms": v for k, v in ms.items()}, "old_over_new": ms["old"] / ms["new"],
                      "wrapper_overhead_ms": ms["new_wrapper"] - ms["new"], "outputs_equal": equal})
         print(json.dumps(rows[-1]), flush=True)
@@ -96,11 +109,13 @@ def run_case(trace, layer: int, batch: int, old_ops, rounds: int) -> list[dict]:
 
 
 def alternating_medians(fns: dict, rounds: int) -> dict:
-    """Median ms of each function, called in alternation (order reversed every other round)."""
+    """Median ms of each function, called in alternation, in a new random order every round: a
+    fixed or reversed order keeps one build next to the dense path (which evicts the caches)."""
     names = list(fns)
     times = {n: [] for n in names}
+    gen = random.Random(0)
     for r in range(rounds + 2):  # two warm-up rounds
-        for n in names if r % 2 == 0 else names[::-1]:
+        for n in gen.sample(names, len(names)):
             start = time.perf_counter()
             fns[n]()
             if r >= 2:
@@ -115,6 +130,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[9, 21])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--index", default="grid-8bit", choices=sorted(INDEXES))
     parser.add_argument("--out", default="benchmarks/results/decode_api_ab.json")
     args = parser.parse_args()
     if compiled_ops() is None:
@@ -122,10 +138,10 @@ def main() -> None:
     old_ops = build_baseline(args.baseline_src)
     trace = load_trace(args.trace)
     rows = [row for layer in args.layers for batch in args.batches
-            for row in run_case(trace, layer, batch, old_ops, args.rounds)]
+            for row in run_case(trace, layer, batch, old_ops, args.rounds, args.index)]
     command = (f"python -m benchmarks.ab_cpu_kernels --baseline-src {args.baseline_src} --trace {args.trace} "
                f"--layers {' '.join(map(str, args.layers))} --batches {' '.join(map(str, args.batches))} "
-               f"--rounds {args.rounds} --out {args.out}")
+               f"--rounds {args.rounds} --index {args.index} --out {args.out}")
     Path(args.out).write_text(json.dumps({"date": str(date.today()), "command": command, "rows": rows}, indent=1))
 
 

@@ -43,6 +43,9 @@ struct AttendArgs {
   // pos [E] i64 (page row · P + offset), bound [E, G] f32; count [NC, H_kv] i64.
   const float* t_reserve = nullptr;
   float* page_bound_out = nullptr;
+  // [NP, H_q]: the first pass writes every opened page's magnitudes (page_terms' mag), the band
+  // pass reads those of its entries' pages (the slack of their exact scores)
+  float* page_mag = nullptr;
   int64_t *reserve_slot = nullptr, *reserve_pos = nullptr, *reserve_count = nullptr;
   float* reserve_bound = nullptr;
   bool band = false;
@@ -158,6 +161,7 @@ struct ChunkRunner {
     if (!open) return false;
     ++n_pages_read;
     grow_magnitude();
+    if (a.page_mag) std::copy(page_mag.begin(), page_mag.end(), a.page_mag + i * a.h_q + k * G);
     for (int64_t g = 0; g < G; ++g) {
       if (keep_page[g] || keep_res[g])
         off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
@@ -315,9 +319,9 @@ struct ChunkRunner {
 
   // The band pass over this chunk's reserve: the tokens whose bound reaches the lowered T for some
   // head of the group, scored and attended in batches. The pages of its entries are not opened,
-  // but their magnitudes are taken in (page order: one codebook read per page).
+  // but their magnitudes (written by the first pass) are taken in.
   void run_reserve(int64_t chunk) {
-    const int64_t G = a.groups, D = a.dim, n = a.reserve_count[chunk * a.h_kv + k];
+    const int64_t G = a.groups, n = a.reserve_count[chunk * a.h_kv + k];
     int64_t seen_row = -1;
     for (int64_t e = res_base; e < res_base + n; ++e) {
       bool on = false;
@@ -325,10 +329,7 @@ struct ChunkRunner {
       if (!on) continue;
       const int64_t row = a.reserve_pos[e] / a.page_size;
       if (row != seen_row) {
-        const int64_t meta = (a.page_ids[row] * a.h_kv + k) * D;
-        load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
-        page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
-                   off.data(), pb.data(), page_mag.data());
+        std::copy(a.page_mag + row * a.h_q + k * G, a.page_mag + row * a.h_q + (k + 1) * G, page_mag.begin());
         grow_magnitude();
         seen_row = row;
       }

@@ -224,13 +224,14 @@ inline float lifted_ref(float ref, float slack) {
   return double(r) < x ? std::nextafter(r, INFINITY) : r;
 }
 
-// An upper bound of ‖x‖₂ over n fp32 values: the fp32 sum of squares errs by less than 2^-10
-// relative for n <= 4096, the sqrt and the product by an ulp each.
+// An upper bound of ‖x‖₂ from an fp32 sum of squares ss of n <= 4096 values (in any order): ss errs
+// by less than 2^-10 relative, the sqrt and the products by an ulp each.
+constexpr float kSquaresUp = 1.f + 0x1p-9f, kNormUp = 1.f + 0x1p-20f;
 inline float norm_up(const float* x, int64_t n) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t d = 0; d < n; ++d) ss += x[d] * x[d];
-  return std::sqrt(ss * (1.f + 0x1p-9f)) * (1.f + 0x1p-20f);
+  return std::sqrt(ss * kSquaresUp) * kNormUp;
 }
 
 // Integer form of one head's token weights: w_d ≈ step·wq_d with wq_d int8, so that
@@ -737,6 +738,20 @@ inline __m512 lane_sums16_ps(const __m512* v) {
     s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
                           _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// norm_up of 16 staged fp32 rows [16, D] (D a multiple of 16) into out[16], the sums of squares
+// reduced by the transposing add tree as the scores are.
+inline void norms_up16(const float* rows, int64_t D, float* out) {
+  __m512 v[16];
+  for (int t = 0; t < 16; ++t) v[t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D; j += 16)
+    for (int t = 0; t < 16; ++t) {
+      const __m512 x = _mm512_loadu_ps(rows + t * D + j);
+      v[t] = _mm512_fmadd_ps(x, x, v[t]);
+    }
+  const __m512 ss = _mm512_mul_ps(lane_sums16_ps(v), _mm512_set1_ps(kSquaresUp));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_sqrt_ps(ss), _mm512_set1_ps(kNormUp)));
 }
 
 // e^x for 16 floats (softmax weights and the candidate masses): relative error below

@@ -99,10 +99,9 @@ inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_
     for (int64_t r = row + 16; r < std::min(end, row + 32); ++r)  // the next block (rows are scattered)
       prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
     for (int64_t k = 0; k < e.h_kv; ++k) {
-      for (int64_t t = 0; t < n; ++t) {
-        load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
-        e.kn[(row + t) * e.h_kv + k] = norm_up(rows + t * D, D);
-      }
+      for (int64_t t = 0; t < n; ++t) load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
+      norms_up16(rows, D, lanes);
+      for (int64_t t = 0; t < n; ++t) e.kn[(row + t) * e.h_kv + k] = lanes[t];
       for (int64_t g = 0; g < e.G; ++g) {
         __m512 v[16];
         staged_products16(rows, e.q + (b * e.H + k * e.G + g) * D, D, v);

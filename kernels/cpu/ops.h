@@ -56,9 +56,10 @@ struct StepPlan {
   // the a-posteriori rule's band pass: chunk states shaped like m, l, o, counts and mass (empty
   // when the layer's policy has no band pass)
   torch::Tensor band_m, band_l, band_o, band_counts, band_mass;
-  // and the first pass's page bounds [NP, H_q] f32 and reserve (AttendArgs::t_reserve): slot, pos
-  // [NP·P·H_kv] i64, bound [NP·P·H_kv, G] f32, count [NC, H_kv] i64
-  torch::Tensor band_pb, reserve_slot, reserve_pos, reserve_bound, reserve_count;
+  // and the first pass's page bounds and page magnitudes (page_terms' mag) [NP, H_q] f32 and
+  // reserve (AttendArgs::t_reserve): slot, pos [NP·P·H_kv] i64, bound [NP·P·H_kv, G] f32, count
+  // [NC, H_kv] i64
+  torch::Tensor band_pb, band_mag, reserve_slot, reserve_pos, reserve_bound, reserve_count;
 };
 
 // The layer side, made once per layer: its KV caches, its index (lo, scale, radius, codes) and the

@@ -289,16 +289,17 @@ StepPlan::StepPlan(Named& n) {
   z_lb = n.tensor("z_lb"), hist = n.tensor("hist"), habs = n.tensor("habs"), certificate = n.tensor("certificate");
   band_m = n.tensor("band_m"), band_l = n.tensor("band_l"), band_o = n.tensor("band_o");
   band_counts = n.tensor("band_counts"), band_mass = n.tensor("band_mass"), band_pb = n.tensor("band_pb");
+  band_mag = n.tensor("band_mag");
   reserve_slot = n.tensor("reserve_slot"), reserve_pos = n.tensor("reserve_pos");
   reserve_bound = n.tensor("reserve_bound"), reserve_count = n.tensor("reserve_count");
   n.done();
-  for (const auto* x : {&band_m, &band_l, &band_o, &band_pb, &reserve_bound}) check_buffer(*x, at::kFloat, "a band buffer");
+  for (const auto* x : {&band_m, &band_l, &band_o, &band_pb, &band_mag, &reserve_bound}) check_buffer(*x, at::kFloat, "a band buffer");
   for (const auto* x : {&band_counts, &reserve_slot, &reserve_pos, &reserve_count}) check_buffer(*x, at::kLong, "a band buffer");
   check_buffer(band_mass, at::kDouble, "band_mass");
   const bool band = band_m.numel() > 0;
   TORCH_CHECK(!band || (band_m.sizes() == m.sizes() && band_l.sizes() == l.sizes() && band_o.sizes() == o.sizes() &&
                         band_counts.sizes() == counts.sizes() && band_mass.sizes() == mass.sizes() &&
-                        band_pb.numel() == page_ids.size(0) * q32.size(1) &&
+                        band_pb.numel() == page_ids.size(0) * q32.size(1) && band_mag.numel() == band_pb.numel() &&
                         reserve_slot.numel() == reserve_pos.numel() &&
                         reserve_bound.numel() == reserve_slot.numel() * (q32.size(1) / counts.size(1)) &&
                         reserve_count.numel() == chunk_req.size(0) * counts.size(1)),
@@ -403,6 +404,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       const std::vector<float> reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
       AttendArgs first = a;  // at T0, keeping in the reserve what the band may need
       first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
+      first.page_mag = p.band_mag.data_ptr<float>();
       first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
       first.reserve_bound = p.reserve_bound.data_ptr<float>(), first.reserve_count = p.reserve_count.data_ptr<int64_t>();
       if (attended.has_value()) attended->zero_();  // both passes add to the set

@@ -343,6 +343,7 @@ class _Outputs:
         rows, size = band or (0, 0)
         entries = rows * size * h_kv
         self.band_pb = torch.empty(rows, heads)
+        self.band_mag = torch.empty(rows, heads)
         self.reserve_slot = torch.empty(entries, dtype=torch.long)
         self.reserve_pos = torch.empty(entries, dtype=torch.long)
         self.reserve_bound = torch.empty(entries, groups)
@@ -350,7 +351,7 @@ class _Outputs:
 
     NAMES = ("s_dense", "sample", "ref", "z", "t", "gate", "m", "l", "o", "counts", "mass", "result", "per_head",
              "per_req", "masses", "z_lb", "hist", "habs", "certificate", "band_m", "band_l", "band_o", "band_counts",
-             "band_mass", "band_pb", "reserve_slot", "reserve_pos", "reserve_bound", "reserve_count")
+             "band_mass", "band_pb", "band_mag", "reserve_slot", "reserve_pos", "reserve_bound", "reserve_count")
 
     def named(self) -> dict[str, torch.Tensor]:
         """The buffers by the names the compiled ops take them."""
