@@ -110,15 +110,18 @@ def _slow_if(condition: bool) -> list:
     return [pytest.mark.slow] if condition else []
 
 
-# Every implementation on every layout; the interpreted Triton rows of the two other layouts
-# (2.2 min in all) belong to the full tier, their first layout to the fast one
-IMPL_LAYOUTS = [pytest.param(impl, layout, id=f"{layout[0]}-{impl}",
-                             marks=_slow_if(_interpreted(impl) and layout is not LAYOUTS[0]))
-                for impl in IMPLS for layout in LAYOUTS]
+# Every implementation on every layout with every policy. The interpreted Triton rows of the two
+# other layouts (2.2 min in all) belong to the full tier, their first layout to the fast one,
+# except the a-posteriori rule's (about a minute): the fast tier once missed its p32 row reporting a
+# bound above eps.
+FAST_INTERPRETED = {"certified-a-posteriori"}
+IMPL_CASES = [pytest.param(impl, layout, policy, id=f"{layout[0]}-{impl}-{policy}",
+                           marks=_slow_if(_interpreted(impl) and layout is not LAYOUTS[0]
+                                          and policy not in FAST_INTERPRETED))
+              for impl in IMPLS for layout in LAYOUTS for policy in POLICIES]
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("impl,layout", IMPL_LAYOUTS)
+@pytest.mark.parametrize("impl,layout,policy", IMPL_CASES)
 def test_every_implementation_keeps_the_contract(impl, policy, layout):
     dtype = {"p16-gqa3": torch.float16, "p32-mqa4-no-sink": torch.float32}.get(layout[0], torch.float16)
     config, q, k, v, table, lens, store = _case(impl, policy, layout, dtype)
