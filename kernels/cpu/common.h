@@ -145,6 +145,13 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// numerics.dot_slack: absolute error bound of an fp32 sum of num_terms products whose absolute
+// values sum to mag (the page terms' and the exact scores' slack).
+inline float dot_slack(float mag, int64_t num_terms) {
+  const float terms = static_cast<float>(num_terms + 8);
+  return mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+}
+
 // Query terms of one page and KV head, for its G query heads (see louver_sgl/index/grid.py):
 // token bound = off[g] + Σ_d w[g][d]·code_d; page bound pb[g]; both include the fp32 slack
 // (same formula as numerics.dot_slack with num_terms = 2·D + 2). lo/sc/rad are fp32 rows [D].
@@ -153,7 +160,6 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 inline void page_terms(const float* qk, const float* lo, const float* sc, const float* rad, int64_t G,
                        int64_t D, int64_t bits, float* w, float* off, float* pb, float* mag_out = nullptr) {
   const float levels = static_cast<float>(1 << bits);
-  const float terms = static_cast<float>(2 * D + 2 + 8);
 #if defined(__AVX512F__)
   if (D % 16 == 0) {  // the loop below, 16 channels at a time (it is run once per page and KV head)
     const __m512 half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(levels - 0.5f), lev = _mm512_set1_ps(levels);
@@ -173,7 +179,7 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
       }
       const float rsum = _mm512_reduce_add_ps(radius), msum = _mm512_reduce_add_ps(mag);
       if (mag_out) mag_out[g] = msum;
-      const float slack = msum * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+      const float slack = dot_slack(msum, 2 * D + 2);
       off[g] = _mm512_reduce_add_ps(o) + rsum + slack;
       pb[g] = _mm512_reduce_add_ps(page) + rsum + slack;
     }
@@ -194,7 +200,7 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
       mag += std::fabs(q) * (std::fabs(l) + levels * std::fabs(s) + r);
     }
     if (mag_out) mag_out[g] = mag;
-    const float slack = mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
+    const float slack = dot_slack(mag, 2 * D + 2);
     off[g] = o + radius + slack;
     pb[g] = page + radius + slack;
   }
@@ -209,12 +215,9 @@ inline void load_codebook(const M* lo, const M* sc, const M* rad, int64_t D, flo
 }
 
 // Exact scores s = q·k enter lower bounds of Z as s − score_slack(mag, D), mag >= Σ_d |q_d·k_d|: the
-// fp32 dot in any summation order errs by less (numerics.dot_slack with D + 2 terms; the two extra
-// terms cover the rounding of mag itself and of the lowered reference below).
-inline float score_slack(float mag, int64_t D) {
-  const float terms = static_cast<float>(D + 2 + 8);
-  return mag * (2.f * terms * 5.9604645e-08f) + terms * std::ldexp(1.0f, -130);
-}
+// fp32 dot in any summation order errs by less (D + 2 terms; the two extra cover the rounding of
+// mag itself and of the lowered reference below).
+inline float score_slack(float mag, int64_t D) { return dot_slack(mag, D + 2); }
 
 // ref + slack rounded up to fp32: σ·(s − lifted) is at most σ·(s − slack − ref), so masses taken
 // relative to the lifted reference are lower bounds of the true keys' masses relative to ref.

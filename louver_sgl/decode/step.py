@@ -11,7 +11,7 @@ Requests whose candidate fraction exceeds ``dense_fallback_fraction`` run dense 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -144,7 +144,7 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
 
 
 def _cat(a: _Candidates, b: _Candidates) -> _Candidates:
-    return _Candidates(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("slots", "kv_head", "req", "scores", "seg", "slack")))
+    return _Candidates(*(torch.cat([getattr(a, f.name), getattr(b, f.name)]) for f in fields(_Candidates)))
 
 
 def _candidate_mass(cand: _Candidates, ref, sigma, batch, gate, upper: bool = False) -> torch.Tensor:
