@@ -10,7 +10,6 @@ negatives is asserted on every query) and the index bytes per token and KV head.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tqdm import tqdm
 
 from louver_sgl.data.paged import load_trace
 from louver_sgl import LouverConfig, LouverIndex
+from benchmarks.record import write_result
 
 SETTINGS = {
     "grid-2bit": LouverConfig(family="grid", grid_bits=2),
@@ -92,7 +92,7 @@ def main() -> None:
     rows = measure(trace, layers, SETTINGS)
     summary = summarize(rows, int(trace["meta"]["head_dim"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"trace": args.trace, "summary": summary, "rows": rows}, indent=1))
+    write_result(args.out, {"trace": args.trace, "summary": summary, "rows": rows})
     head = " ".join(f"{'cand f=' + str(f):>11s}" for f in FRACTIONS)
     head += " " + " ".join(f"{'read f=' + str(f):>11s}" for f in FRACTIONS)
     print(f"{'setting':28s} {'B/tok/head':>10s} {head}")

@@ -42,6 +42,7 @@ from louver_sgl.data.paged import load_trace
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.fused import int8_token_bounds_reference
 from louver_sgl.decode.plan import _sample_positions, split_pages
+from benchmarks.record import stamped
 
 SHARES = (4.0, 3.0, 2.0, 1.0, 0.5)
 
@@ -231,7 +232,7 @@ def main() -> None:
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
     key = f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
-    previous[key] = {"command": "python -m benchmarks.certified_oracle " + " ".join(sys.argv[1:]),
+    previous[key] = {**stamped({}),
                      "machine": platform.processor() or platform.machine(), "config": vars(args), "summary": table}
     out.write_text(json.dumps(previous, indent=1))
 

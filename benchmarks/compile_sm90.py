@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from benchmarks.record import write_result
 
 
 class CompileOnlyDriver:
@@ -145,7 +146,7 @@ def main() -> int:
     result = dict(triton=triton.__version__, arch=args.arch, cases=len(chosen), kernels=len(COMPILED),
                   failures=failures, compiled=sorted(COMPILED.values(), key=lambda r: r["kernel"]))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_result(args.out, result)
     print(f"triton {triton.__version__}: {len(COMPILED)} kernels compiled for sm_{args.arch} over {len(chosen)} "
           f"step configurations, {len(failures)} failed")
     return 1 if failures or not COMPILED else 0

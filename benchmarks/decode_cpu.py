@@ -39,6 +39,7 @@ POLICIES = {
     "certified-1e-4": {"policy": "certified", "eps": 1e-4},
     "budget-0.05": {"policy": "budget", "budget": 0.05},
     "budget-0.1": {"policy": "budget", "budget": 0.1},
+    "budget-0.25": {"policy": "budget", "budget": 0.25},
     # the one-pass certified rule (design notes, "Certified in one pass")
     "certified-1e-2-one-pass": {"policy": "certified", "eps": 1e-2, "certified_passes": 1},
     "certified-1e-3-one-pass": {"policy": "certified", "eps": 1e-3, "certified_passes": 1},

@@ -22,6 +22,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from benchmarks.record import write_result
 
 SHAPES = {"smollm2": dict(heads_q=9, heads_kv=3, dim=64), "llama3_8b": dict(heads_q=32, heads_kv=8, dim=128)}
 CONTEXTS = (8192, 32768, 131072)
@@ -128,8 +129,8 @@ def main() -> None:
         print(f"{p.shape} {p.context} {p.batch} {p.bits} {p.policy} | {p.bytes_vs_dense:.3f} | "
               f"{p.louver_us:.1f}, {p.dense_us:.1f} | {p.predicted_speedup:.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"kind": "prediction (cost model), not a measurement", "gbps": args.gbps,
-                                        "rows": [asdict(p) for p in rows]}, indent=1))
+        write_result(args.out, {"kind": "prediction (cost model), not a measurement", "gbps": args.gbps,
+                                "rows": [asdict(p) for p in rows]})
 
 
 if __name__ == "__main__":

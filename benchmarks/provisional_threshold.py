@@ -36,6 +36,7 @@ from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.data.paged import load_trace
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
+from benchmarks.record import write_result
 
 MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
 SAMPLE_SHARES = (0.05, 0.1, 0.25, 0.5)
@@ -169,9 +170,7 @@ def main() -> None:
     table = summarize(rows)
     for row in table:
         print(json.dumps(row))
-    Path(args.out).write_text(json.dumps({"command": "python -m benchmarks.provisional_threshold " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
-        "summary": table}, indent=1))
+    write_result(args.out, {"summary": table})
 
 
 if __name__ == "__main__":
