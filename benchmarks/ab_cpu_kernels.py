@@ -28,7 +28,7 @@ import torch
 
 from louver_kernels.cpu_ops import DEFAULT_CACHE
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import load_trace, paged_batch
+from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.fused import _layer_step, _Outputs, _step_plan, compiled_ops, has_band_pass, page_chunks
 

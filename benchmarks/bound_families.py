@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from louver_sgl.data.paged import load_trace
+from louver_eval.data.paged import load_trace
 from louver_sgl import LouverConfig, LouverIndex
 from benchmarks.record import write_result
 

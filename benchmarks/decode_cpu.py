@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from louver_sgl.data.paged import PagedBatch, load_trace, paged_batch
+from louver_eval.data.paged import PagedBatch, load_trace, paged_batch
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import LouverDecode

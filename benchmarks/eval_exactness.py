@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
-from louver_sgl.eval.exactness import ExactnessObserver
-from louver_sgl.eval.hf_decode import DecodeRunner, greedy_generate, load_eval_model
-from louver_sgl.eval.policies import make_policy, text_window_ids
+from louver_eval.data.fetch_model import DEFAULT_DIR as MODEL_DIR
+from louver_eval.data.texts import load_text
+from louver_eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
+from louver_eval.exactness import ExactnessObserver
+from louver_eval.hf_decode import DecodeRunner, greedy_generate, load_eval_model
+from louver_eval.policies import make_policy, text_window_ids
 
 
 @dataclass(frozen=True)

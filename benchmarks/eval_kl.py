@@ -17,12 +17,12 @@ import torch
 
 import numpy as np
 
-from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
-from louver_sgl.eval.hf_decode import DecodeRunner, load_eval_model, prefill
-from louver_sgl.eval.kl import AttendedFraction, dense_logits, kl_summary, policy_logits
-from louver_sgl.eval.policies import make_policy, text_window_ids
+from louver_eval.data.fetch_model import DEFAULT_DIR as MODEL_DIR
+from louver_eval.data.texts import load_text
+from louver_eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
+from louver_eval.hf_decode import DecodeRunner, load_eval_model, prefill
+from louver_eval.kl import AttendedFraction, dense_logits, kl_summary, policy_logits
+from louver_eval.policies import make_policy, text_window_ids
 
 POLICIES = ["certified-1e-2", "certified-1e-3", "certified-1e-4", "budget-0.05", "budget-0.1", "budget-0.2",
             "oracle_topk-0.1", "quest-0.1", "streaming-0.1"]

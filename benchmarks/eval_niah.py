@@ -17,12 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from louver_sgl.data.fetch_model import DEFAULT_DIR as MODEL_DIR, ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
-from louver_sgl.eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
+from louver_eval.data.fetch_model import DEFAULT_DIR as MODEL_DIR, ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
+from louver_eval.niah import (NeedlePrompt, build_multikey_prompt, build_multivalue_prompt, build_prompt,
                                   found, found_all)
-from louver_sgl.eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, free_port, generate, sglang_server
+from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, free_port, generate, sglang_server
 
 DENSE = "torch_native"
 CONFIGS = [DENSE, "certified-1e-3", "budget-0.1", "certified-1e-2", "budget-0.05", "certified-1e-4", "budget-0.2"]

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from louver_sgl.config import LouverConfig
-from louver_sgl.data.capture import ensure_traces, load_trace
-from louver_sgl.decode.baselines import BASELINES
-from louver_sgl.eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
-from louver_sgl.eval.tradeoff import layer_tradeoff
+from louver_eval.data.capture import ensure_traces, load_trace
+from louver_eval.baselines import BASELINES
+from louver_eval.cache import add_run_arguments, cached_cell, command_line, machine_info, write_json
+from louver_eval.tradeoff import layer_tradeoff
 
 LOUVER = ["budget-0.02", "budget-0.05", "budget-0.1", "budget-0.2", "budget-0.3",
           "certified-0.1", "certified-0.03", "certified-1e-2", "certified-1e-3", "certified-1e-4"]

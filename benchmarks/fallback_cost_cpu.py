@@ -24,7 +24,7 @@ import torch
 
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import load_trace, paged_batch
+from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 
 CASES = {

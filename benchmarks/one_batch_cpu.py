@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import long_context_args
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.server import long_context_args
 
 KEYS = {"prefill_latency": "prefill_s", "prefill_throughput": "prefill_tok_s",
         "median_decode_latency": "decode_median_s", "median_decode_throughput": "decode_tok_s",

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import load_trace
+from louver_eval.data.paged import load_trace
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 from benchmarks.record import write_result

@@ -24,9 +24,9 @@ from datetime import date
 from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.server import free_port, long_context_args, sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.server import free_port, long_context_args, sglang_server
 
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_GRID_BITS": "4", "LOUVER_PAGE_SIZE": "128", "LOUVER_POLICY": "budget",
        "LOUVER_BUDGET": "0.05", "LOUVER_MIN_SPARSE_TOKENS": "0", "LOUVER_STEP_TIMING": "1"}

@@ -23,8 +23,8 @@ from datetime import date
 from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.server import sglang_server
 
 WORKLOADS = {
     "random-2k": ["--dataset-name", "random-ids", "--random-input-len", "2000", "--random-output-len", "32",

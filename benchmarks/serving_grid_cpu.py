@@ -26,8 +26,8 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 
 from louver_kernels.cpu_ops import cpu_model_name
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.eval.server import free_port, generate, long_context_args, sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.server import free_port, generate, long_context_args, sglang_server
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {

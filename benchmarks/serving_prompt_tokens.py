@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.serving_grid_cpu import workload_args
-from louver_sgl.data.fetch_model import ensure_model
+from louver_eval.data.fetch_model import ensure_model
 
 
 def bench_serving_args(argv: list[str]) -> argparse.Namespace:

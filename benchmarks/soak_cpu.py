@@ -1,6 +1,6 @@
 """Soak: mixed traffic on the CPU louver server for a fixed time; memory must stay flat.
 
-Rounds of ``louver_sgl.eval.churn`` traffic (shared prefixes, mixed lengths, dropped streams)
+Rounds of ``louver_eval.churn`` traffic (shared prefixes, mixed lengths, dropped streams)
 over a small KV pool, back to back, for ``--minutes``. After every round it records the resident
 memory of the server's processes (the scheduler holds the KV pool and the index) and the index
 counters; at the end it checks that no request failed and that the scheduler's resident memory
@@ -22,10 +22,10 @@ from pathlib import Path
 import psutil
 
 from louver_kernels.cpu_ops import cpu_model_name
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.churn import ChurnPlan, run_churn
-from louver_sgl.eval.server import sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.churn import ChurnPlan, run_churn
+from louver_eval.server import sglang_server
 
 # the dense fallback off: every decode step reads its pages through the index
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_PAGE_SIZE": "16", "LOUVER_MIN_SPARSE_TOKENS": "0",

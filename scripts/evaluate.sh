@@ -24,16 +24,16 @@ if [ "${1:-}" = "--small" ]; then
   "$PY" -m benchmarks.eval_plots --results "$RESULTS" --cache data/eval_small/cache --out data/eval_small/img
   exit 0
 fi
-"$PY" -m louver_sgl.data.texts data/texts
+"$PY" -m louver_eval.data.texts data/texts
 for text in bible paul_graham; do
-  "${LOCK[@]}" "$PY" -m louver_sgl.data.capture --text "$text" --lengths 2048 8192
+  "${LOCK[@]}" "$PY" -m louver_eval.data.capture --text "$text" --lengths 2048 8192
 done
 "${LOCK[@]}" "$PY" -m benchmarks.eval_exactness
 "${LOCK[@]}" "$PY" -m benchmarks.eval_tradeoff
 "${LOCK[@]}" "$PY" -m benchmarks.eval_kl
 "${LOCK[@]}" "$PY" -m benchmarks.eval_niah
 if [ ! -f benchmarks/results/decode_cpu.json ] || [ "${EVAL_SPEED:-0}" = 1 ]; then
-  "${LOCK[@]}" "$PY" -m louver_sgl.data.capture --text bible --lengths 32768
+  "${LOCK[@]}" "$PY" -m louver_eval.data.capture --text bible --lengths 32768
   "${LOCK[@]}" "$PY" -m benchmarks.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \
     data/traces/bible_32768.pt --layers 9 21 --batches 1 8 --repeats 3 --out benchmarks/results/decode_cpu.json
 fi

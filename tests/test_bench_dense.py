@@ -3,7 +3,7 @@
 import torch
 
 from benchmarks.decode_cpu import dense_variants
-from louver_sgl.data.paged import paged_batch
+from louver_eval.data.paged import paged_batch
 from louver_sgl.decode.step import dense_attention
 from test_tune_study import synthetic_trace
 

@@ -1,7 +1,7 @@
 """Checks that attention traces captured from SmolLM2 hold what the model's attention really used.
 
-Needs the converted checkpoint in models/smollm2-135m (``python -m louver_sgl.data.fetch_model``)
-and data/texts (``python -m louver_sgl.data.texts``); skipped otherwise. Runs a 256-token capture
+Needs the converted checkpoint in models/smollm2-135m (``python -m louver_eval.data.fetch_model``)
+and data/texts (``python -m louver_eval.data.texts``); skipped otherwise. Runs a 256-token capture
 in small chunks so the cached (chunked) attention path is exercised.
 """
 
@@ -22,11 +22,11 @@ LENGTH, NUM_QUERIES, CHUNK, LAYERS = 256, 16, 64, [0, 3, 27]
 from conftest import skip_or_fail  # noqa: E402
 
 if not (MODEL_DIR / "model.safetensors").is_file() or not (TEXT_DIR / "bible.txt").is_file():
-    skip_or_fail("models/smollm2-135m or data/texts/bible.txt absent (run louver_sgl.data.fetch_model "
-                 "and louver_sgl.data.texts)", module=True)
+    skip_or_fail("models/smollm2-135m or data/texts/bible.txt absent (run louver_eval.data.fetch_model "
+                 "and louver_eval.data.texts)", module=True)
 
-from louver_sgl.data.capture import capture_trace, first_tokens, load_trace  # noqa: E402
-from louver_sgl.data.texts import load_text  # noqa: E402
+from louver_eval.data.capture import capture_trace, first_tokens, load_trace  # noqa: E402
+from louver_eval.data.texts import load_text  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -20,8 +20,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton implementati
 
 from conftest import compiled_attended, fp64_request, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.capture import ensure_traces
-from louver_sgl.data.paged import load_trace, paged_batch
+from louver_eval.data.capture import ensure_traces
+from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.api import available_implementations
 from louver_sgl.decode import threshold as th

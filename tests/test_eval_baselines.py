@@ -9,7 +9,7 @@ import torch
 
 from conftest import brute_force_scores
 from louver_sgl import LouverConfig
-from louver_sgl.decode.baselines import baseline_attended, dense_part_mask, masked_attention
+from louver_eval.baselines import baseline_attended, dense_part_mask, masked_attention
 
 CFG = LouverConfig(page_size=16)
 

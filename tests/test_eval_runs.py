@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.hf_decode import DecodeRunner, load_eval_model, prefill
-from louver_sgl.eval.kl import dense_logits, policy_logits
-from louver_sgl.eval.policies import make_policy, text_window_ids
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.hf_decode import DecodeRunner, load_eval_model, prefill
+from louver_eval.kl import dense_logits, policy_logits
+from louver_eval.policies import make_policy, text_window_ids
 
 NUM_LAYERS, NUM_HEADS = 30, 9
 

@@ -4,7 +4,7 @@ pages where the kernel offers them."""
 import pytest
 import torch
 
-from louver_sgl.data.paged import paged_batch
+from louver_eval.data.paged import paged_batch
 from louver_sgl.memory import (HUGE_PAGE_BYTES, advise_huge_pages, huge_copy, huge_page_bytes,
                                huge_pages_available, huge_zeros)
 from test_tune_study import synthetic_trace

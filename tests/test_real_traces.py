@@ -1,6 +1,6 @@
 """Exactness and the certified bound on real SmolLM2 queries and keys (captured offline).
 
-The traces are produced by ``python -m louver_sgl.data.capture`` (``scripts/test.sh`` runs it
+The traces are produced by ``python -m louver_eval.data.capture`` (``scripts/test.sh`` runs it
 before the tests; the fixture captures them itself if they are missing).
 """
 
@@ -11,8 +11,8 @@ import torch
 
 from conftest import assert_no_false_negatives, brute_force_scores, needs_impl
 from louver_sgl import LouverConfig, LouverIndex, PageIndexStore
-from louver_sgl.data.capture import ensure_traces, load_trace
-from louver_sgl.data.paged import paged_batch
+from louver_eval.data.capture import ensure_traces, load_trace
+from louver_eval.data.paged import paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.index.numerics import round_down
 

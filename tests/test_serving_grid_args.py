@@ -107,7 +107,7 @@ def test_lengths_past_the_context_are_refused_before_any_run(module, monkeypatch
 def test_long_context_args_only_past_the_native_context():
     """Within SmolLM2's 8K no override; past it the YaRN stretch and the raised watchdog; past
     32K an error (the server would refuse the request)."""
-    from louver_sgl.eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, long_context_args
+    from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, long_context_args
 
     assert long_context_args(8192) == []
     assert long_context_args(8193) == YARN_32K_ARGS + LONG_PREFILL_ARGS

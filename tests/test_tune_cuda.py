@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from conftest import make_paged  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
-from louver_sgl.data.paged import PagedBatch  # noqa: E402
+from louver_eval.data.paged import PagedBatch  # noqa: E402
 from louver_sgl.decode import louver_decode  # noqa: E402
 from louver_tuning.cuda import LAUNCH_CHOICES, CudaEventTimer, CudaTarget  # noqa: E402
 from louver_tuning.targets import get_target  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
-from louver_sgl.data.capture import ensure_traces
+from louver_eval.data.capture import ensure_traces
 from louver_sgl.profiles import Profile
 from louver_tuning.cli import main as cli_main
 

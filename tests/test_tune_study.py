@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import paged_batch
+from louver_eval.data.paged import paged_batch
 from louver_sgl.decode import louver_decode
 from louver_sgl.profiles import Profile
 from louver_tuning.cli import main as cli_main

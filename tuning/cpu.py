@@ -11,7 +11,7 @@ import torch
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import PagedBatch
+from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.profiles.launch import cpu_threads
 

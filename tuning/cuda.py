@@ -11,7 +11,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from louver_kernels.triton.launch import TritonLaunch
 from louver_kernels.triton.timing import graph_replay_ms
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import PagedBatch
+from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode import HeadShapes, LouverDecode
 
 from .target import StepFn, Target, TimedPoint

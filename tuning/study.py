@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 
 import louver_sgl
 from louver_sgl import LouverConfig
-from louver_sgl.data.capture import ensure_traces, load_trace
+from louver_eval.data.capture import ensure_traces, load_trace
 from louver_sgl.profiles import Profile, Shapes
 
 from .objective import CaseGroup, Objective, RatioPruner

@@ -16,7 +16,7 @@ import torch
 from optuna.distributions import BaseDistribution
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import PagedBatch
+from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode.contract import StepStats
 from louver_sgl.profiles import device_name, profile_key
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import PagedBatch
+from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode.api import resolve_implementation, uses_int8_token_bounds
 from louver_sgl.decode.contract import StepStats
 from louver_sgl.decode.fused import int8_token_bounds_reference

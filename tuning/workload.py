@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.paged import PagedBatch, paged_batch
+from louver_eval.data.paged import PagedBatch, paged_batch
 from louver_sgl.decode.plan import plan_decode
 
 from .target import Target

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import random
 
-from louver_sgl.data.tiny_model import make_tiny_llama
-from louver_sgl.eval.server import free_port, generate, sglang_server
+from louver_eval.data.tiny_model import make_tiny_llama
+from louver_eval.server import free_port, generate, sglang_server
 
 PAGE, CHUNK, NEW_TOKENS = 16, 64, 8
 CHUNKED = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32"]

@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.eval.churn import ChurnPlan, probe_answers, run_churn
-from louver_sgl.eval.server import free_port, sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.churn import ChurnPlan, probe_answers, run_churn
+from louver_eval.server import free_port, sglang_server
 
 # (plan, KV pool tokens): the short churn runs in the fast tier, the full one in the slow tier
 PLANS = [pytest.param(ChurnPlan(requests=20, concurrency=4), 3000, id="short"),

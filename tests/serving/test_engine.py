@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from louver_sgl.data.tiny_model import make_tiny_llama
+from louver_eval.data.tiny_model import make_tiny_llama
 
 PAGE = 16
 NEW_TOKENS = 12

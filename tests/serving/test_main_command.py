@@ -11,7 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from louver_sgl.eval.server import free_port
+from louver_eval.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_FP32 = ROOT / "louver_sgl" / "profiles" / "cpu_amd_epyc_avx2.float32.json"

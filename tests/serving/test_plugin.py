@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from louver_sgl.data.tiny_model import make_tiny_llama
+from louver_eval.data.tiny_model import make_tiny_llama
 from louver_sgl.serving import plugin
 from louver_sgl.serving.options import load_options
 from louver_sgl.serving.rope_fallback import rotary_embedding

@@ -17,11 +17,11 @@ import urllib.request
 
 import pytest
 
-from louver_sgl.data.fetch_model import ensure_model
-from louver_sgl.data.texts import load_text
-from louver_sgl.data.tiny_model import make_tiny_llama
-from louver_sgl.eval.niah import build_prompt, found
-from louver_sgl.eval.server import free_port, generate, sglang_server
+from louver_eval.data.fetch_model import ensure_model
+from louver_eval.data.texts import load_text
+from louver_eval.data.tiny_model import make_tiny_llama
+from louver_eval.niah import build_prompt, found
+from louver_eval.server import free_port, generate, sglang_server
 
 LENGTHS = (2048, 7500)
 

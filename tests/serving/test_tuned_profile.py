@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from louver_sgl.data.capture import ensure_traces
-from louver_sgl.data.fetch_model import ensure_model
+from louver_eval.data.capture import ensure_traces
+from louver_eval.data.fetch_model import ensure_model
 from louver_sgl.profiles import Profile
 from louver_tuning.cli import main as cli_main
 

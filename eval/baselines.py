@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from ..config import LouverConfig
-from .plan import split_pages
+from louver_sgl.config import LouverConfig
+from louver_sgl.decode.plan import split_pages
 
 BASELINES = ("oracle_topk", "quest", "streaming")
 

@@ -1,7 +1,7 @@
 """Named decode policies of the evaluations and text windows to run them on.
 
 Names: ``dense``, ``certified-<eps>``, ``budget-<f>`` (louver), and ``<baseline>-<fraction>``
-for the comparison policies of ``decode.baselines`` (``oracle_topk-0.1``, ``quest-0.1``,
+for the comparison policies of ``louver_eval.baselines`` (``oracle_topk-0.1``, ``quest-0.1``,
 ``streaming-0.1``).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LouverConfig
-from ..data.capture import first_tokens
-from ..decode.baselines import BASELINES
+from louver_sgl.config import LouverConfig
+from .data.capture import first_tokens
+from .baselines import BASELINES
 from .hf_decode import BaselinePolicy, DecodePolicy, LouverPolicy
 
 

@@ -2,7 +2,7 @@
 
 For one trace layer, every captured query is a request (``data.paged.paged_batch``); each method
 chooses an attended set and attention over that set is computed in fp64
-(``decode.baselines.masked_attention``), so methods differ only in which keys they keep. Per
+(``louver_eval.baselines.masked_attention``), so methods differ only in which keys they keep. Per
 (query, head) it records the attended fraction of all keys, the dropped softmax mass and the
 relative output error ``|o - o_dense| / |o_dense|`` against fp64 dense attention.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import LouverConfig
-from ..data.paged import paged_batch
-from ..decode import LouverDecode
-from ..decode.baselines import baseline_attended, masked_attention
-from ..index.store import PageIndexStore
+from louver_sgl.config import LouverConfig
+from .data.paged import paged_batch
+from louver_sgl.decode import LouverDecode
+from .baselines import baseline_attended, masked_attention
+from louver_sgl.index.store import PageIndexStore
 from .policies import louver_config
 
 

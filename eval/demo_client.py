@@ -1,6 +1,6 @@
 """The main command's client: a long-context request to a louver server, with louver's account.
 
-    python -m louver_sgl.serving.demo_client --url http://127.0.0.1:30000 --stats STATS.json
+    python -m louver_eval.demo_client --url http://127.0.0.1:30000 --stats STATS.json
 
 Waits for the server, then sends a question over ~16K tokens of Paul Graham essays with a planted
 passphrase (``eval.niah``), showing the prefill's progress from the server's statistics file
@@ -22,9 +22,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from ..data.fetch_model import ensure_model
-from ..data.texts import load_text
-from ..eval.niah import build_prompt, found
+from .data.fetch_model import ensure_model
+from .data.texts import load_text
+from .niah import build_prompt, found
 
 SECOND_QUESTION = "Name one topic these essays discuss. Answer in a few words."
 

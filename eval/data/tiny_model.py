@@ -1,11 +1,11 @@
 """Build a tiny random Llama checkpoint offline, for fast end-to-end tests.
 
 The tokenizer is a byte-level BPE (vocab 2048) trained locally with ``tokenizers`` on the Paul Graham
-essays (see ``louver_sgl.data.texts``) or, when those cannot be fetched, on Python stdlib sources.
+essays (see ``louver_eval.data.texts``) or, when those cannot be fetched, on Python stdlib sources.
 The model (2 layers, hidden 128, 4 query / 2 KV heads, head_dim 32) is random with a fixed seed,
 so the same inputs give the same checkpoint. Saved in fp32 as a regular Hugging Face checkpoint.
 
-Usage: ``python -m louver_sgl.data.tiny_model [OUT_DIR]`` (default ``models/tiny-llama``).
+Usage: ``python -m louver_eval.data.tiny_model [OUT_DIR]`` (default ``models/tiny-llama``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import sysconfig
 from pathlib import Path
 
-from louver_sgl.data.fetch_model import is_checkpoint, require_empty, save_atomic
-from louver_sgl.data.texts import DEFAULT_DIR as DEFAULT_TEXT_DIR, load_text
+from louver_eval.data.fetch_model import is_checkpoint, require_empty, save_atomic
+from louver_eval.data.texts import DEFAULT_DIR as DEFAULT_TEXT_DIR, load_text
 
 DEFAULT_DIR = Path("models/tiny-llama")
 VOCAB_SIZE = 2048

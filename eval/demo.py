@@ -6,7 +6,7 @@ per policy: keys attended, the certified bound on dropped softmax mass, the meas
 the output error against dense attention, recall of {q·k >= T} against an fp64 brute force (always
 1.0), and the step time relative to dense attention in the same run.
 
-    python -m louver_sgl.demo [--lengths 2048 8192] [--text bible]
+    python -m louver_eval.demo [--lengths 2048 8192] [--text bible]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.data.capture import DEFAULT_LAYERS, ensure_traces
-from louver_sgl.data.paged import PagedBatch, load_trace, paged_batch
+from louver_eval.data.capture import DEFAULT_LAYERS, ensure_traces
+from louver_eval.data.paged import PagedBatch, load_trace, paged_batch
 from louver_sgl.decode import louver_decode
 from louver_sgl.decode.reference import reference_decode
 

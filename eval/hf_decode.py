@@ -18,10 +18,10 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..config import LouverConfig
-from ..decode import LouverDecode, StepStats
-from ..decode.baselines import baseline_attended, masked_attention
-from ..index.store import PageIndexStore
+from louver_sgl.config import LouverConfig
+from louver_sgl.decode import LouverDecode, StepStats
+from .baselines import baseline_attended, masked_attention
+from louver_sgl.index.store import PageIndexStore
 
 ATTN_NAME = "louver_eval"
 PREFILL_CHUNK = 1024
@@ -94,7 +94,7 @@ class LouverPolicy:
 
 
 class BaselinePolicy:
-    """A comparison policy of ``decode.baselines`` at a fixed share of the indexed keys."""
+    """A comparison policy of ``louver_eval.baselines`` at a fixed share of the indexed keys."""
 
     def __init__(self, method: str, fraction: float, config: LouverConfig) -> None:
         self.method, self.fraction, self.config = method, fraction, config

