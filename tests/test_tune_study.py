@@ -143,6 +143,14 @@ def test_export_writes_a_valid_profile(tmp_path, capsys):
     assert (tmp_path / "p.history.png").stat().st_size > 0
     assert cli_main(["show", "--storage", f"sqlite:///{tmp_path}/t.db", "--study-name", "e"]) == 0
     assert "importance" in capsys.readouterr().out
+    # --report-dir: the plots and the results table go there, none beside the profile
+    reports, shipped = tmp_path / "reports", tmp_path / "shipped"
+    assert cli_main(["export", "--storage", f"sqlite:///{tmp_path}/t.db", "--study-name", "e", "--out-dir",
+                     str(shipped), "--report-dir", str(reports), "--confirm-top", "0"]) == 0
+    (written,) = shipped.iterdir()
+    assert written.suffix == ".json"
+    assert (reports / f"{written.stem}.history.png").stat().st_size > 0
+    assert (reports / f"{written.stem}.results.txt").read_text().strip()
     assert json.loads(out.read_text())["measured"]["trials"]["complete"] == 18
 
 

@@ -54,6 +54,7 @@ class Tune:
         p.add_argument("--prune-ratio", type=float, default=r.prune_ratio,
                        help="prune a trial whose case latency exceeds this x the best trial's")
         p.add_argument("--export", metavar="DIR", help="export the profile (and plots) into DIR afterwards")
+        _report_args(p)
         _confirm_args(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
@@ -91,6 +92,7 @@ class Export:
         _study_args(p)
         p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="directory of <device key>.json")
         p.add_argument("--out", help="exact output file (overrides --out-dir)")
+        _report_args(p)
         _confirm_args(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
@@ -139,6 +141,12 @@ def _study_name(a: argparse.Namespace) -> str:
     return names[0]
 
 
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="where the study's plots and results table go (default: beside the profile; the "
+                        "shipped profiles' reports live in tuning/reports, out of the package data)")
+
+
 def _confirm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--confirm-top", type=int, default=5,
                    help="re-time this many best trials and the defaults interleaved before exporting (0: off)")
@@ -155,8 +163,10 @@ def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespac
     profile = study_profile(study, launch_names, confirmation)
     name = profile_file_name(profile_key(profile.target, profile.device_name), profile.shapes.kv_dtype)
     path = profile.write(out or out_dir / name)
-    plots = write_plots(study, path.with_suffix(""))
-    (path.with_suffix(".results.txt")).write_text(results_table(study, top=20) + "\n")
+    stem = (Path(a.report_dir) / path.stem) if a.report_dir else path.with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(study, stem)
+    stem.with_name(stem.name + ".results.txt").write_text(results_table(study, top=20) + "\n")
     print(f"profile {path}; plots {[str(p) for p in plots]}")
     print(json.dumps({"config": dict(profile.config), "launch": dict(profile.launch),
                       "speedup_vs_defaults": profile.measured.get("speedup_vs_defaults")}, indent=1))
