@@ -68,4 +68,4 @@ def add_run_arguments(parser, name: str, small_help: str, threads: bool = True) 
 
 def command_line(module: str, small: bool) -> str:
     """How a result file was produced, recorded in it."""
-    return f"python -m benchmarks.{module}" + (" --small" if small else "")
+    return f"python -m benchmarks.quality.{module}" + (" --small" if small else "")

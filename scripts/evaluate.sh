@@ -18,27 +18,27 @@ if [ "${1:-}" = "--small" ]; then
   RESULTS=data/eval_small/results
   mkdir -p "$RESULTS"
   for name in exactness tradeoff kl niah; do
-    "${LOCK[@]}" "$PY" -m "benchmarks.eval_$name" --small --cache "data/eval_small/cache/$name" \
+    "${LOCK[@]}" "$PY" -m "benchmarks.quality.eval_$name" --small --cache "data/eval_small/cache/$name" \
       --out "$RESULTS/eval_$name.json"
   done
-  "$PY" -m benchmarks.eval_plots --results "$RESULTS" --cache data/eval_small/cache --out data/eval_small/img
+  "$PY" -m benchmarks.quality.eval_plots --results "$RESULTS" --cache data/eval_small/cache --out data/eval_small/img
   exit 0
 fi
 "$PY" -m louver_eval.data.texts data/texts
 for text in bible paul_graham; do
   "${LOCK[@]}" "$PY" -m louver_eval.data.capture --text "$text" --lengths 2048 8192
 done
-"${LOCK[@]}" "$PY" -m benchmarks.eval_exactness
-"${LOCK[@]}" "$PY" -m benchmarks.eval_tradeoff
-"${LOCK[@]}" "$PY" -m benchmarks.eval_kl
-"${LOCK[@]}" "$PY" -m benchmarks.eval_niah
+"${LOCK[@]}" "$PY" -m benchmarks.quality.eval_exactness
+"${LOCK[@]}" "$PY" -m benchmarks.quality.eval_tradeoff
+"${LOCK[@]}" "$PY" -m benchmarks.quality.eval_kl
+"${LOCK[@]}" "$PY" -m benchmarks.quality.eval_niah
 if [ ! -f benchmarks/results/decode_cpu.json ] || [ "${EVAL_SPEED:-0}" = 1 ]; then
   "${LOCK[@]}" "$PY" -m louver_eval.data.capture --text bible --lengths 32768
-  "${LOCK[@]}" "$PY" -m benchmarks.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \
+  "${LOCK[@]}" "$PY" -m benchmarks.cpu.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \
     data/traces/bible_32768.pt --layers 9 21 --batches 1 8 --repeats 3 --out benchmarks/results/decode_cpu.json
 fi
 if [ ! -f benchmarks/results/serving_cpu.json ] || [ "${EVAL_SPEED:-0}" = 1 ]; then
-  "${LOCK[@]}" "$PY" -m benchmarks.serving_cpu --out benchmarks/results/serving_cpu.json
+  "${LOCK[@]}" "$PY" -m benchmarks.serving.serving_cpu --out benchmarks/results/serving_cpu.json
 fi
-"$PY" -m benchmarks.eval_plots --results benchmarks/results --cache data/eval_cache --out docs/img
+"$PY" -m benchmarks.quality.eval_plots --results benchmarks/results --cache data/eval_cache --out docs/img
 echo "results: benchmarks/results/eval_*.json, plots: docs/img/eval_*.png (see docs/results.md)"

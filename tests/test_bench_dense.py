@@ -2,7 +2,7 @@
 
 import torch
 
-from benchmarks.decode_cpu import dense_variants
+from benchmarks.cpu.decode_cpu import dense_variants
 from louver_eval.data.paged import paged_batch
 from louver_sgl.decode.step import dense_attention
 from test_tune_study import synthetic_trace
@@ -25,7 +25,7 @@ def test_dense_variants_agree_with_dense_attention():
 
 def test_paired_timing_alternates_and_times_both():
     """timeit_paired calls the two functions in alternation (AB, BA, ...) and returns both medians."""
-    from benchmarks.decode_cpu import timeit_paired
+    from benchmarks.cpu.decode_cpu import timeit_paired
 
     calls = []
     base_ms, fn_ms = timeit_paired(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)

@@ -5,7 +5,7 @@ import torch
 
 from conftest import skip_or_fail
 
-from benchmarks.memory_floor_cpu import access_pattern, touch_ops, touch_reference
+from benchmarks.cpu.memory_floor_cpu import access_pattern, touch_ops, touch_reference
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import louver_decode
 from louver_sgl.decode.plan import plan_decode

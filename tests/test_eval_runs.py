@@ -26,7 +26,7 @@ NUM_LAYERS, NUM_HEADS = 30, 9
 
 def _run(tmp_path, module: str, *extra: str) -> dict:
     out = tmp_path / f"{module}.json"
-    cmd = [sys.executable, "-m", f"benchmarks.{module}", "--small", "--cache", str(tmp_path / "cache"),
+    cmd = [sys.executable, "-m", f"benchmarks.quality.{module}", "--small", "--cache", str(tmp_path / "cache"),
            "--out", str(out), *extra]
     subprocess.run(cmd, check=True, timeout=600)
     result = json.loads(out.read_text())

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks import one_batch_cpu
-from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS, prompt_count, workload_args
+from benchmarks.serving import one_batch_cpu
+from benchmarks.serving.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS, prompt_count, workload_args
 from louver_sgl.serving.options import load_options
 
 
@@ -65,7 +65,7 @@ def test_one_batch_rows_from_its_result_file(tmp_path, monkeypatch):
 
 def test_a_refused_request_fails_the_row():
     """A prompt past the context comes back at once, counted as completed with TTFT 0."""
-    from benchmarks.serving_grid_cpu import check_requests
+    from benchmarks.serving.serving_grid_cpu import check_requests
 
     good = {"completed": 2, "ttfts": [50.0, 2.0], "output_lens": [64, 64], "errors": ["", ""]}
     check_requests(good, 2, 64)
@@ -89,7 +89,7 @@ def test_every_configuration_environment_is_a_valid_louver_option_set():
     assert serving.extend_backend == "torch_native" and config.budget == 0.05
 
 
-@pytest.mark.parametrize("module", ["benchmarks.serving_grid_cpu", "benchmarks.one_batch_cpu"])
+@pytest.mark.parametrize("module", ["benchmarks.serving.serving_grid_cpu", "benchmarks.serving.one_batch_cpu"])
 def test_lengths_past_the_context_are_refused_before_any_run(module, monkeypatch, capsys):
     """32,768 input tokens plus 64 output do not fit the 32K context: an error at once, not an
     hour later from the server."""
@@ -122,7 +122,7 @@ def test_rerun_replaces_a_row_instead_of_skipping_it(rerun, tmp_path, monkeypatc
     old row (one row per key, never two)."""
     import sys
 
-    from benchmarks import serving_grid_cpu as grid
+    from benchmarks.serving import serving_grid_cpu as grid
 
     out = tmp_path / "rows.json"
     old = {"config": "torch_native", "workload": "random", "input_len": 8192, "concurrency": 1, "mean_itl_ms": 1.0}

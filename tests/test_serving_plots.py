@@ -1,6 +1,6 @@
 """The serving plots' choice of decode metric and their speedups (no figure is drawn)."""
 
-from benchmarks.serving_plots import itl_key, speedups
+from benchmarks.serving.serving_plots import itl_key, speedups
 
 
 def row(config, n, mean, median=None, workload="random", concurrency=4):

@@ -9,7 +9,7 @@ The baseline is driven through the named boundary of this tree's step (``StepPla
 compared (equal unless the change alters the arithmetic). This tree's whole
 ``LouverDecode.run`` is timed too (the wrapper's Python overhead over the bare kernel call).
 
-    python -m benchmarks.ab_cpu_kernels --baseline-src ../before/kernels/cpu \
+    python -m benchmarks.cpu.ab_cpu_kernels --baseline-src ../before/kernels/cpu \
         --trace data/traces/bible_32768.pt --out benchmarks/results/decode_api_ab.json
 """
 
@@ -32,7 +32,7 @@ from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.fused import _layer_step, _Outputs, _step_plan, compiled_ops, has_band_pass, page_chunks
 
-from .decode_cpu import INDEXES, dense_variants, timeit
+from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit
 
 POLICIES = {"budget-0.05": dict(policy="budget", budget=0.05), "certified-1e-2": dict(policy="certified", eps=1e-2),
             "certified-1e-2-a-posteriori": dict(policy="certified", eps=1e-2, certified_rule="a_posteriori"),
@@ -139,7 +139,7 @@ def main() -> None:
     trace = load_trace(args.trace)
     rows = [row for layer in args.layers for batch in args.batches
             for row in run_case(trace, layer, batch, old_ops, args.rounds, args.index)]
-    command = (f"python -m benchmarks.ab_cpu_kernels --baseline-src {args.baseline_src} --trace {args.trace} "
+    command = (f"python -m benchmarks.cpu.ab_cpu_kernels --baseline-src {args.baseline_src} --trace {args.trace} "
                f"--layers {' '.join(map(str, args.layers))} --batches {' '.join(map(str, args.batches))} "
                f"--rounds {args.rounds} --index {args.index} --out {args.out}")
     Path(args.out).write_text(json.dumps({"date": str(date.today()), "command": command, "rows": rows}, indent=1))

@@ -4,7 +4,7 @@ For every captured layer and query, T is set so that a fraction f of the indexed
 (exact fp64 quantile); the table reports the candidate fraction each setting returns (zero false
 negatives is asserted on every query) and the index bytes per token and KV head.
 
-    python -m benchmarks.bound_families --trace data/traces/bible_8192.pt --out benchmarks/results/bound_families.json
+    python -m benchmarks.studies.bound_families --trace data/traces/bible_8192.pt --out benchmarks/results/bound_families.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ With ``LOUVER_STATS_FILE`` set the backend sums every decode forward's recorded 
 ``StepStats`` per layer) before it writes the file. This times that sum for ``--layers`` steps of
 batch ``--batch`` both ways, interleaved, in one process.
 
-    python -m benchmarks.telemetry_sum_cpu --layers 30 --batch 1
+    python -m benchmarks.serving.telemetry_sum_cpu --layers 30 --batch 1
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ one (``--warmup-len``, also measured and recorded) so that the long lengths are 
 twice (a 32K prefill is ~20 minutes on this CPU). Rows are appended to ``one_batch_rows`` of
 ``--out`` and a rerun skips the rows already there.
 
-    python -m benchmarks.one_batch_cpu --input-lens 8192 16384 --out benchmarks/results/serving_cpu.json
+    python -m benchmarks.serving.one_batch_cpu --input-lens 8192 16384 --out benchmarks/results/serving_cpu.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
+from benchmarks.serving.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_eval.data.fetch_model import ensure_model
 from louver_eval.server import long_context_args
 
@@ -36,7 +36,7 @@ def one_batch(model: Path, name: str, input_lens: list[int], output_len: int, lo
     """Run one_batch for configuration ``name`` over ``input_lens`` (first = warm-up length)."""
     backend, policy, env = CONFIGS[name]
     longest = max(input_lens)
-    cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
+    cmd = [sys.executable, "-m", "benchmarks.serving.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--dtype", "float32", "--attention-backend", backend, "--batch-size", "1",
            "--input-len", *map(str, input_lens), "--output-len", str(output_len),
            "--max-total-tokens", str(longest + output_len + 1024), *long_context_args(longest + output_len)]
@@ -92,7 +92,7 @@ def main() -> None:
             rows.append(row)
             done.add((name, row["input_len"]))
             print(json.dumps(row), flush=True)
-        if commands[-1:] != [command := "python -m benchmarks.one_batch_cpu " + " ".join(sys.argv[1:])]:
+        if commands[-1:] != [command := "python -m benchmarks.serving.one_batch_cpu " + " ".join(sys.argv[1:])]:
             commands.append(command)
         out.write_text(json.dumps(data, indent=1))
 

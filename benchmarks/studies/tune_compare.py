@@ -5,7 +5,7 @@ target's wall-clock timer on the tuning cases; the per-case latency is the media
 With ``--tpe-study`` it also reports after how many trials a TPE study over the grid's sub-space
 first came within 5 % of the grid's best value (both values from their own studies).
 
-    python -m benchmarks.tune_compare --profile louver_sgl/profiles/cpu_amd_epyc_avx512.json \\
+    python -m benchmarks.studies.tune_compare --profile louver_sgl/profiles/cpu_amd_epyc_avx512.json \\
         --storage sqlite:///louver-tune.db --grid-study GRID --tpe-study TPE \\
         --out benchmarks/results/tune_cpu.json
 """
@@ -74,7 +74,7 @@ def main() -> None:
         if args.tpe_study:
             extra["tpe_small_space"] = trials_to_within(args.storage, args.tpe_study, value)
     timed = time_points(CpuTarget(settings.repeats, settings.warmup), settings, points, args.rounds)
-    result = {"date": str(date.today()), "command": "python -m benchmarks.tune_compare " + " ".join(sys.argv[1:]),
+    result = {"date": str(date.today()), "command": "python -m benchmarks.studies.tune_compare " + " ".join(sys.argv[1:]),
               "machine": {"device": profile.device_name, "threads": torch.get_num_threads(), "torch": torch.__version__},
               "profile": args.profile, "settings": s, "rounds": args.rounds, "points": timed, **extra}
     for name in timed:

@@ -11,7 +11,7 @@ finish and a rerun skips the rows already there, so a long grid can be run in pi
 ``--configs budget-0.05-native-extend`` adds a TTFT control: louver's decode over SGLang's own
 ``torch_native`` extend, so its TTFT compares like for like with ``torch_native``'s.
 
-    python -m benchmarks.serving_grid_cpu --input-lens 8192 16384 32640 --concurrency 1 4 \\
+    python -m benchmarks.serving.serving_grid_cpu --input-lens 8192 16384 32640 --concurrency 1 4 \\
         --out benchmarks/results/serving_cpu.json
 """
 
@@ -168,7 +168,7 @@ def main() -> None:
     data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32")
     # the grid is run in pieces: every invocation that added rows is kept
     commands = data.setdefault("commands", [data.pop("command")] if "command" in data else [])
-    commands.append("python -m benchmarks.serving_grid_cpu " + " ".join(sys.argv[1:]))
+    commands.append("python -m benchmarks.serving.serving_grid_cpu " + " ".join(sys.argv[1:]))
     done = set() if args.rerun else {row_key(r) for r in data["rows"]}
 
     def save(row: dict) -> None:

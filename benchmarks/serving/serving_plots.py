@@ -1,8 +1,8 @@
-"""Plots of the serving grid (``benchmarks.serving_grid_cpu``): decode time per token (mean ITL),
+"""Plots of the serving grid (``benchmarks.serving.serving_grid_cpu``): decode time per token (mean ITL),
 TTFT and output throughput against input length per configuration and workload, and the decode
 speedup of each louver policy over ``torch_native``.
 
-    python -m benchmarks.serving_plots --results benchmarks/results/serving_cpu.json --out docs/img/serving_cpu.png
+    python -m benchmarks.serving.serving_plots --results benchmarks/results/serving_cpu.json --out docs/img/serving_cpu.png
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.serving_grid_cpu import CONFIGS  # noqa: E402
+from benchmarks.serving.serving_grid_cpu import CONFIGS  # noqa: E402
 
 COLOURS = {name: f"C{i}" for i, name in enumerate(CONFIGS)}  # one colour per configuration in every panel
 

@@ -6,7 +6,7 @@ medians), per trace and layer at batch 1: the dense policy's step, the certified
 fallback off (fraction 1.0), and the same step with every request forced over the fraction
 (fraction 1e-6), so that the last one is the price of every fallback the server takes.
 
-    python -m benchmarks.fallback_cost_cpu --traces data/traces/bible_8192.pt data/traces/bible_32768.pt
+    python -m benchmarks.cpu.fallback_cost_cpu --traces data/traces/bible_8192.pt data/traces/bible_32768.pt
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
             print(f"{r['trace']} layer {layer}: dense {r['ms']['dense']:.3f} ms, sparse {r['ms']['sparse']:.3f} ms, "
                   f"with fallback {r['ms']['fallback']:.3f} ms ({r['fallback_over_sparse']:.2f}x sparse, "
                   f"{r['fallback_over_dense']:.2f}x dense)", flush=True)
-    result = dict(command="python -m benchmarks.fallback_cost_cpu " + " ".join(sys.argv[1:]),
+    result = dict(command="python -m benchmarks.cpu.fallback_cost_cpu " + " ".join(sys.argv[1:]),
                   date=date.today().isoformat(), cpu=cpu_model_name(), machine=platform.machine(),
                   threads=torch.get_num_threads(), rows=rows)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -7,7 +7,7 @@ generated-shared-prefix workload (one shared system prompt, several questions); 
 time to first token with and without shared prefixes, louver's index pages built vs reused, and
 the index memory line of the server log, in one JSON file.
 
-    python -m benchmarks.serving_cpu --out benchmarks/results/serving_cpu_fp16_2k_8k.json
+    python -m benchmarks.serving.serving_cpu --out benchmarks/results/serving_cpu_fp16_2k_8k.json
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def bench_serving(url: str, model: Path, workload: list[str], out: Path) -> dict
 
 
 def one_batch(model: Path, backend: str, input_len: int, env: dict[str, str]) -> dict:
-    """``sglang.benchmark.one_batch`` (through benchmarks.one_batch_plugins): prefill and median
+    """``sglang.benchmark.one_batch`` (through benchmarks.serving.one_batch_plugins): prefill and median
     decode throughput of one request, from its last (measured, post-warm-up) run."""
-    cmd = [sys.executable, "-m", "benchmarks.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
+    cmd = [sys.executable, "-m", "benchmarks.serving.one_batch_plugins", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--batch-size", "1", "--input-len", str(input_len),
            "--output-len", "16", "--max-total-tokens", "20000"]
     with tempfile.TemporaryDirectory() as tmp:  # one_batch appends a result file of its own; not ours
@@ -98,7 +98,7 @@ def main() -> None:
         print(json.dumps({b: results[b]["one_batch"] for b in ("torch_native", "louver")}, indent=1))
         return
     results = {"date": str(date.today()), "cpu": cpu_model_name(), "model": "SmolLM2-135M-Instruct (Q4_1 dequantized)",
-               "command": "python -m benchmarks.serving_cpu", "workloads": WORKLOADS}
+               "command": "python -m benchmarks.serving.serving_cpu", "workloads": WORKLOADS}
     with tempfile.TemporaryDirectory() as tmp:
         for port, backend in ((31881, "torch_native"), (31882, "louver")):
             results[backend] = run_backend(model, backend, Path(tmp), port)

@@ -19,7 +19,7 @@ For each rule: the fraction of (query, head) checks that pass, and the mean rati
 candidates kept to those the histogram rule keeps (passing checks; a failing one keeps the
 histogram rule's set at the cost of a second pass).
 
-    python -m benchmarks.provisional_threshold --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
+    python -m benchmarks.studies.provisional_threshold --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
         --out benchmarks/results/provisional_threshold.json
 """
 

@@ -9,7 +9,7 @@ least. Dense (the fastest variant of decode_cpu), the louver step and the floor 
 alternation with every cache swept before each call (as between layers of a real decode), and the
 louver step also back to back with warm caches (its compute without memory stalls).
 
-    python -m benchmarks.memory_floor_cpu --trace data/traces/bible_32768.pt --layers 9 21 \\
+    python -m benchmarks.cpu.memory_floor_cpu --trace data/traces/bible_32768.pt --layers 9 21 \\
         --out benchmarks/results/memory_floor_cpu.json
 """
 
@@ -28,7 +28,7 @@ from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.plan import plan_decode
 
-from .decode_cpu import dense_variants, timeit, timeit_alternating
+from benchmarks.cpu.decode_cpu import dense_variants, timeit, timeit_alternating
 
 _TOUCH_SRC = r"""
 #include <torch/extension.h>
@@ -165,7 +165,7 @@ def main() -> None:
                   f"({case['speedup']:.2f}x), floor {case['floor_ms']:.3f} ms ({case['speedup_at_floor']:.2f}x), "
                   f"louver warm {case['louver_warm_ms']:.3f} ms", flush=True)
     result = {"date": date.today().isoformat(), "cpu": cpu_model_name(), "threads": torch.get_num_threads(),
-              "command": "python -m benchmarks.memory_floor_cpu " + " ".join(
+              "command": "python -m benchmarks.cpu.memory_floor_cpu " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items()),
               "cases": cases}

@@ -6,7 +6,7 @@ chunk completed, one call per layer and chunk) and reports the build time per la
 layers next to a measured TTFT (default: the 30K-token server run of
 ``benchmarks/results/server_step_cpu_30k.json``).
 
-    python -m benchmarks.prefill_build_cpu --tokens 30000 --out benchmarks/results/prefill_build_cpu.json
+    python -m benchmarks.cpu.prefill_build_cpu --tokens 30000 --out benchmarks/results/prefill_build_cpu.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
               "page_size": args.page_size, "grid_bits": args.grid_bits, "build_s": seconds,
               "build_ms_per_layer": 1e3 * seconds / args.layers, "ttft_s": ttft, "ttft_from": args.ttft_from,
               "build_fraction_of_ttft": seconds / ttft,
-              "command": "python -m benchmarks.prefill_build_cpu " + " ".join(sys.argv[1:])}
+              "command": "python -m benchmarks.cpu.prefill_build_cpu " + " ".join(sys.argv[1:])}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

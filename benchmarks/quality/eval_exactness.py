@@ -6,7 +6,7 @@ step, and every (layer, query head, step) is checked against an fp64 brute force
 (``eval.exactness``). One cache cell per prompt (JSON summary + NPZ of per-query-step bound and
 measured mass); a rerun skips finished prompts. Writes the aggregate to ``--out``.
 
-    python -m benchmarks.eval_exactness --out benchmarks/results/eval_exactness.json
+    python -m benchmarks.quality.eval_exactness --out benchmarks/results/eval_exactness.json
 """
 
 from __future__ import annotations

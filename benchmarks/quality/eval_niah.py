@@ -7,7 +7,7 @@ reference louver is compared with. One cache cell per (configuration, prompt); a
 started for a configuration with missing cells, so an interrupted run resumes where it stopped.
 Prompts go longest first, needle deepest first, so the radix cache shares haystack prefixes.
 
-    python -m benchmarks.eval_niah --out benchmarks/results/eval_niah.json [--dtype float32]
+    python -m benchmarks.quality.eval_niah --out benchmarks/results/eval_niah.json [--dtype float32]
 """
 
 from __future__ import annotations

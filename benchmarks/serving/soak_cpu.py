@@ -6,7 +6,7 @@ memory of the server's processes (the scheduler holds the KV pool and the index)
 counters; at the end it checks that no request failed and that the scheduler's resident memory
 did not grow beyond ``--rss-slack-mib`` over the first round's.
 
-    python -m benchmarks.soak_cpu --minutes 15 --out benchmarks/results/soak_cpu.json
+    python -m benchmarks.serving.soak_cpu --minutes 15 --out benchmarks/results/soak_cpu.json
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def report(rounds: list[dict], memory_log: list[str], args) -> None:
     sched = lambda r: max((v for k, v in r["rss_mib"].items() if "scheduler" in k), default=0.0)  # noqa: E731
     growth = sched(rounds[-1]) - sched(rounds[0]) if rounds else 0.0
     result = {"date": str(date.today()), "cpu": cpu_model_name(), "minutes": args.minutes,
-              "command": f"python -m benchmarks.soak_cpu --minutes {args.minutes} --out {args.out}",
+              "command": f"python -m benchmarks.serving.soak_cpu --minutes {args.minutes} --out {args.out}",
               "server_env": ENV, "server_args": ARGS, "rounds": rounds, "index_memory_log": memory_log,
               "requests": sum(r["completed"] + r["dropped"] + r["failed"] for r in rounds),
               "failed": sum(r["failed"] for r in rounds), "scheduler_rss_growth_mib": growth}

@@ -21,7 +21,7 @@ gate and certify with). It checks on every case that recall of {s ≥ T} is 1 an
 dropped mass is ≤ ε for the certified rules, and reports how often the band pass runs (query
 heads, and requests with any).
 
-    python -m benchmarks.certified_oracle --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
+    python -m benchmarks.studies.certified_oracle --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
         --eps 1e-2 1e-3 1e-4 --out benchmarks/results/certified_oracle.json
 """
 

@@ -7,7 +7,7 @@ prompts exactly as bench_serving did (its argument parser, ``--seed 1``, its dat
 the model's tokenizer), counts the tokens of each text as the server's tokenizer does, and
 writes them into the row as ``server_prompt_tokens``. Rows sent as token ids are left alone.
 
-    python -m benchmarks.serving_prompt_tokens --results benchmarks/results/serving_cpu.json
+    python -m benchmarks.serving.serving_prompt_tokens --results benchmarks/results/serving_cpu.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.serving_grid_cpu import workload_args
+from benchmarks.serving.serving_grid_cpu import workload_args
 from louver_eval.data.fetch_model import ensure_model
 
 

@@ -1,6 +1,6 @@
 """Plots of the evaluation results (PNG), from the JSON files the evaluations write.
 
-    python -m benchmarks.eval_plots --results benchmarks/results --out docs/img
+    python -m benchmarks.quality.eval_plots --results benchmarks/results --out docs/img
 
 Each plot is drawn only when its result file exists: exactness (per-layer candidate and page
 survival fractions, certified bound vs measured dropped mass), accuracy vs keys attended (louver
@@ -134,7 +134,7 @@ def plot_niah(result: dict, out: Path) -> None:
 
 def exactness_arrays(result: dict, cache: Path) -> dict[str, np.ndarray] | None:
     """Concatenated per-query-step arrays of the certified prompts, from the evaluation cache."""
-    from benchmarks.eval_exactness import PromptSpec
+    from benchmarks.quality.eval_exactness import PromptSpec
 
     parts = [np.load(cache / f"{PromptSpec(**p).name}.npz") for p in result["prompts"]
              if p["policy"].startswith("certified")]

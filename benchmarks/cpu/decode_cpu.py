@@ -8,7 +8,7 @@ a noisy machine hits both), and reports their latency ratios, with candidate and
 page-survival fractions, bytes read, index memory, page-build cost and recall (exactness is checked
 against an fp64 brute force on every timed configuration).
 
-    python -m benchmarks.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \\
+    python -m benchmarks.cpu.decode_cpu --traces data/traces/bible_2048.pt data/traces/bible_8192.pt \\
         data/traces/bible_32768.pt --out benchmarks/results/decode_cpu.json
 """
 
@@ -306,7 +306,7 @@ def main() -> None:
         print(markdown_table(results)) if args.markdown else print_table(results)
         return
     torch.manual_seed(0)
-    results = {"date": str(date.today()), "command": "python -m benchmarks.decode_cpu " + " ".join(
+    results = {"date": str(date.today()), "command": "python -m benchmarks.cpu.decode_cpu " + " ".join(
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
         "machine": {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version()}, "cases": []}

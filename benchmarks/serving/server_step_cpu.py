@@ -7,10 +7,10 @@ mean time per layer and the backend's own time per layer in the server, with the
 TPOT. Each ``--variant`` is a set of extra server arguments and ``LOUVER_*=value`` variables (e.g.
 ``--disable-overlap-schedule`` or ``LOUVER_CHUNK_PAGES=8``). Past SmolLM2's 8K context the
 server runs with the main command's YaRN override (``scripts/run.sh``).
-Compare with ``python -m benchmarks.decode_cpu --kv-dtype float32 --indexes grid-4bit-p128
+Compare with ``python -m benchmarks.cpu.decode_cpu --kv-dtype float32 --indexes grid-4bit-p128
 --traces data/traces/bible_8192.pt --batches 1`` (the same index and policy at the same context).
 
-    python -m benchmarks.server_step_cpu --tokens 8000 --out benchmarks/results/server_step_cpu.json
+    python -m benchmarks.serving.server_step_cpu --tokens 8000 --out benchmarks/results/server_step_cpu.json
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": server_args(len(ids), args.new_tokens),
         "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "rows": rows,
-        "command": f"python -m benchmarks.server_step_cpu --tokens {args.tokens} --new-tokens {args.new_tokens} "
+        "command": f"python -m benchmarks.serving.server_step_cpu --tokens {args.tokens} --new-tokens {args.new_tokens} "
                    + " ".join(f"--variant '{v}'" for v in variants) + f" --out {args.out}"}, indent=1))
 
 

@@ -4,7 +4,7 @@ Every captured query of every captured layer of each trace is decoded by each me
 cell per trace layer); louver runs with ``dense_fallback_fraction = 1`` so its points show the
 true candidate fraction instead of jumping to dense. Writes per-method means over all cells.
 
-    python -m benchmarks.eval_tradeoff --out benchmarks/results/eval_tradeoff.json
+    python -m benchmarks.quality.eval_tradeoff --out benchmarks/results/eval_tradeoff.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ distributions, so the KL is computed offline with the same louver step on the mo
 Windows come from the second half of the Paul Graham essays (the needle-in-a-haystack prompts
 use the first 8K tokens). One cache cell per (window, policy).
 
-    python -m benchmarks.eval_kl --out benchmarks/results/eval_kl.json
+    python -m benchmarks.quality.eval_kl --out benchmarks/results/eval_kl.json
 """
 
 from __future__ import annotations

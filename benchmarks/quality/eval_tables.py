@@ -1,6 +1,6 @@
 """Markdown tables of the evaluation results, as pasted into docs/results.md.
 
-    python -m benchmarks.eval_tables --results benchmarks/results
+    python -m benchmarks.quality.eval_tables --results benchmarks/results
 """
 
 from __future__ import annotations
