@@ -110,7 +110,7 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_boun
     bound (``int8_token_bounds_reference``, the bounds the kernel gates with; with
     ``kernel_bounds`` the kernel's own, from the ``certified_threshold`` op: the reference's fp32
     sums are ordered differently, so a bound within ~1e-5 of T can fall on the other side)."""
-    from louver_sgl.decode.fused import int8_token_bounds_reference
+    from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
     from louver_sgl.decode.plan import plan_decode
 
     config, size = store.config, store.page_size
@@ -146,7 +146,7 @@ def _kernel_bounds(q, plan, store) -> tuple[torch.Tensor, torch.Tensor]:
     (the ``certified_threshold`` op's test outputs; its T is not used)."""
     from louver_sgl.decode import threshold as th
     from louver_sgl.decode.contract import EDGES
-    from louver_sgl.decode.fused import compiled_ops
+    from louver_sgl.decode.impl_cpu import compiled_ops
 
     batch, heads = q.shape[:2]
     n, size = len(plan.page_ids), store.page_size

@@ -4,7 +4,7 @@ import torch
 
 from benchmarks.cpu.decode_cpu import dense_variants
 from louver_eval.data.paged import paged_batch
-from louver_sgl.decode.step import dense_attention
+from louver_sgl.decode.impl_torch import dense_attention
 from test_tune_study import synthetic_trace
 
 

@@ -125,7 +125,7 @@ def test_torch_step_follows_the_reference(share, eps, family, h_kv, groups):
 def test_the_band_pass_runs_and_scores_no_key_twice(monkeypatch):
     """A share far above the true Z makes the first check fail: the band pass adds keys, none of
     them already scored at the first level, and the result still equals the reference's."""
-    from louver_sgl.decode import step
+    from louver_sgl.decode import impl_torch as step
 
     config = LouverConfig(page_size=16, policy="certified", eps=1e-2, sample_size=32, certified_rule="a_posteriori",
                           estimate_share=4.0, dense_fallback_fraction=1.0)

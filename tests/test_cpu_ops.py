@@ -11,11 +11,12 @@ from conftest import make_paged, needs_impl
 from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.contract import EDGES, VALUE_GATE, StepStats
-from louver_sgl.decode.fused import (
-    chunk_totals_reference, compiled_exact_part, compiled_ops, int8_token_bounds_reference, merge_reference, step_stats_reference,
-)
+from louver_sgl.decode.impl_cpu import compiled_exact_part, compiled_ops
+from louver_sgl.decode.impl_torch import exact_part
 from louver_sgl.decode.plan import plan_decode
-from louver_sgl.decode.step import exact_part
+from louver_sgl.decode.reference_compiled import (
+    chunk_totals_reference, int8_token_bounds_reference, merge_reference, step_stats_reference,
+)
 from louver_sgl.decode.threshold import certified_choice as certified_threshold_reference
 
 OPS = compiled_ops()
@@ -77,7 +78,7 @@ def test_attend_pass_candidate_mass_bounds_the_true_keys_mass():
     of the candidates' true mass although their fp32 scores err: every indexed key is a candidate
     at T = −1e30, so the bound is compared with the true mass of all of them."""
     from louver_sgl import PageIndexStore
-    from louver_sgl.decode.fused import _Outputs, page_chunks
+    from louver_sgl.decode.impl_cpu import _Outputs, page_chunks
 
     lens = [300, 700, 129]
     q, k, v, table, lens_t = _cancelling_batch(lens)
@@ -225,7 +226,7 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     in q's dtype (new or the caller's buffer, here a strided view), q read through its strides; a
     request over the fallback fraction is flagged."""
     from louver_sgl import PageIndexStore
-    from louver_sgl.decode.fused import _Outputs, page_chunks
+    from louver_sgl.decode.impl_cpu import _Outputs, page_chunks
 
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=40)
     k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=9, dtype=torch.float16)
@@ -265,7 +266,7 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
 
 
 def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
-    from louver_sgl.decode.fused import _Outputs, page_chunks
+    from louver_sgl.decode.impl_cpu import _Outputs, page_chunks
 
     q, k, v, plan, cfg = _batch(torch.float32)
     chunks = page_chunks(plan, 3)

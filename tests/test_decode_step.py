@@ -244,7 +244,7 @@ def test_dense_fallback_above_fraction(impl, monkeypatch):
     """A request whose candidates exceed the fraction runs dense and says so; the compiled dense
     policy does not run its own step a second time as the fallback (it already attended every
     key), while a certified step over the fraction does run the dense step."""
-    from louver_sgl.decode import fused
+    from louver_sgl.decode import impl_cpu as fused
 
     fallbacks = []
     real = fused._dense_fallback

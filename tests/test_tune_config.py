@@ -9,7 +9,7 @@ from conftest import make_paged
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import louver_decode
 from louver_sgl.decode.plan import split_pages
-from louver_sgl.decode.step import dense_attention
+from louver_sgl.decode.impl_torch import dense_attention
 
 
 def test_split_pages_below_and_above_the_minimum():

@@ -19,7 +19,7 @@ from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode.api import resolve_implementation, uses_int8_token_bounds
 from louver_sgl.decode.contract import StepStats
-from louver_sgl.decode.fused import int8_token_bounds_reference
+from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
 from louver_sgl.decode.plan import split_pages
 from louver_sgl.index.numerics import keep_at_least
 

@@ -40,7 +40,7 @@ import torch
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import load_trace
 from louver_sgl.decode import threshold as th
-from louver_sgl.decode.fused import int8_token_bounds_reference
+from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
 from louver_sgl.decode.plan import _sample_positions, split_pages
 from benchmarks.record import stamped
 
@@ -49,7 +49,7 @@ SHARES = (4.0, 3.0, 2.0, 1.0, 0.5)
 
 def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float, int8: bool = False) -> dict:
     """One query ``[H_q, D]`` over ``keys`` ``[n, H_kv, D]``: bounds (with ``int8`` the compiled
-    kernels' int8 token bounds, ``fused.int8_token_bounds_reference``), exact part, exact scores."""
+    kernels' int8 token bounds, ``reference_compiled.int8_token_bounds_reference``), exact part, exact scores."""
     n, h_kv, _ = keys.shape
     size, groups = config.page_size, q.shape[0] // h_kv
     _, indexed, _ = split_pages(n, config)

@@ -1,7 +1,7 @@
 // The certified threshold of the grid family in one pass over the codes: per (request, query
 // head) the histogram of the mass dropped at each threshold edge, from the same int8 token bounds
 // the attend pass gates with, then T = the largest edge whose certified mass fits eps·Z_lb.
-// Specification: louver_sgl.decode.fused.certified_threshold_reference.
+// Specification: louver_sgl.decode.threshold.certified_choice.
 
 #include "common.h"
 #include "ops.h"

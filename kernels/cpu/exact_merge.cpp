@@ -7,7 +7,7 @@
 using namespace louver_cpu;
 
 // Exact scores of the dense part and of the sample, the reference score and the masses relative
-// to it (design §4; louver_sgl/decode/step.py:exact_part is the specification).
+// to it (design §4; louver_sgl/decode/impl_torch.py:exact_part is the specification).
 // q [B, H_q, D] f32; k_cache [slots, H_kv, D]; dense_slots, dense_req [ND], sample_slots, sample_req
 // [NS] i64, request-sorted -> s_dense [ND, H_q] f32, sample [B, M, H_q] f32 (each request's sample
 // scores in order, padded with -inf; M >= its largest sample), ref [B, H_q] f32 (-inf: no exact
@@ -33,7 +33,7 @@ void exact_part(Named& n) {
   });
 }
 
-// Softmax merge of the dense part with the attend kernel's chunk states (fused.merge_reference is
+// Softmax merge of the dense part with the attend kernel's chunk states (reference_compiled.merge_reference is
 // the specification). s_dense [ND, H_q] f32; dense_slots, dense_req [ND] i64; v_cache [slots, H_kv,
 // Dv]; m, l [NC, H_q] f32 (m in σ·score units; −inf: empty chunk); o [NC, H_q, Dv] f32; chunk_req
 // [NC] i64 (both row lists request-sorted) -> out [B, H_q, Dv] f32.
@@ -48,7 +48,7 @@ void merge_chunks(Named& n) {
   });
 }
 
-// Per-request totals of the attend kernel's chunk outputs (fused.chunk_totals_reference is the
+// Per-request totals of the attend kernel's chunk outputs (reference_compiled.chunk_totals_reference is the
 // specification). counts [NC, H_kv, 2G + 3] i64, mass [NC, H_kv, G, 3] f64, chunk_req [NC] i64 ->
 // per_head [B, H_q, 2] i64 (attended, pages skipped), per_req [B, 3] i64 (union candidates, values
 // read, pages read), masses [B, H_q, 3] f64; all outputs are overwritten.

@@ -169,7 +169,7 @@ inline void exact_heads(const ExactArgs& e, int64_t begin, int64_t end, std::vec
     double zd = 0.0, zs = 0.0;
     const int64_t d0 = e.d_bounds[b], nd = e.d_bounds[b + 1] - d0;
     // every score of a part is lowered by the slack of its fp32 dot: ‖q‖·(the part's largest key
-    // norm) bounds each Σ_d |q_d·k_d| (step.exact_part is the specification)
+    // norm) bounds each Σ_d |q_d·k_d| (impl_torch.exact_part is the specification)
     const float qn = norm_up(e.q + bh * e.D, e.D);
     const float lift_d = score_slack(qn * strided_max_norm(e.kn + d0 * e.h_kv + h / e.G, e.h_kv, nd), e.D);
     const float lift_s = score_slack(

@@ -46,7 +46,7 @@ bool step_stats_packed(const float* t, const double* z, const int64_t* per_head,
 
 }  // namespace louver_cpu
 
-// fused.step_stats_reference is the specification. By name: t [B, H_q] f32; z [B, H_q, 2] f64
+// reference_compiled.step_stats_reference is the specification. By name: t [B, H_q] f32; z [B, H_q, 2] f64
 // (masses of the dense part and the sample); per_head [B, H_q, 2] i64 (attended, pages skipped);
 // per_req [B, 3] i64 (union candidates, values read, pages read); masses [B, H_q, 3] f64;
 // index_dropped [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64;

@@ -14,7 +14,7 @@ partial tail page are attended densely, the other full pages through the index.
 * ``attend``: per (request, KV head, split of pages) page bounds, token bounds, the GQA-union
   candidate gate, exact scores from candidate keys, the optional value gate and an online softmax
   over candidates and dense rows with V read only for attended rows; writes the split's softmax
-  state and counters. Splits are merged in ``louver_sgl.decode.gpu``.
+  state and counters. Splits are merged in ``louver_sgl.decode.impl_triton``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from .api import (
     LouverDecode, available_implementations, implementation_names, louver_decode, register_implementation,
 )
 from .contract import DecodeImplementation, HeadShapes, RequestLayout, StepStats
-from .step import dense_attention
+from .impl_torch import dense_attention
 
 __all__ = ["DecodeImplementation", "HeadShapes", "LouverDecode", "RequestLayout", "StepStats",
            "available_implementations", "dense_attention", "implementation_names", "louver_decode",

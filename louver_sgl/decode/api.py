@@ -29,10 +29,10 @@ from .contract import Capacity, DecodeImplementation, HeadShapes
 
 # name -> "module:Class" (imported when first asked for: the Triton module needs triton)
 _IMPLEMENTATIONS: dict[str, str | type] = {
-    "torch": "louver_sgl.decode.step:TorchDecode",
-    "cpu": "louver_sgl.decode.fused:CpuDecode",
-    "triton": "louver_sgl.decode.gpu:TritonDecode",
-    "triton_stream": "louver_sgl.decode.gpu_stream:TritonStreamDecode",
+    "torch": "louver_sgl.decode.impl_torch:TorchDecode",
+    "cpu": "louver_sgl.decode.impl_cpu:CpuDecode",
+    "triton": "louver_sgl.decode.impl_triton:TritonDecode",
+    "triton_stream": "louver_sgl.decode.impl_triton_stream:TritonStreamDecode",
 }
 
 
@@ -87,7 +87,7 @@ def resolve_implementation(impl: str, config: LouverConfig, device: torch.device
 
 def uses_int8_token_bounds(impl: str) -> bool:
     """Whether implementation ``impl`` gates tokens and certifies T with the int8 token bounds
-    (``fused.int8_token_bounds_reference``) rather than the store's fp32 ones."""
+    (``reference_compiled.int8_token_bounds_reference``) rather than the store's fp32 ones."""
     return implementation(impl).int8_token_bounds
 
 
@@ -114,7 +114,7 @@ class LouverDecode:
         config: the ``LouverConfig`` (policy, layout, dispatch); the index store must share its
             index layout.
         device: where the KV caches live. impl: an implementation name or "auto".
-        launch: the implementation's launch parameters (``fused.CpuLaunch`` or a dict of its
+        launch: the implementation's launch parameters (``impl_cpu.CpuLaunch`` or a dict of its
             fields for ``cpu``, ``TritonLaunch`` or a dict for ``triton``; None: defaults).
         shapes: the attention shapes (``HeadShapes``); with them ``plan`` allocates every buffer
             and ``run`` allocates none (on ``triton``, with both capacities, the workspace is

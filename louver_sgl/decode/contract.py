@@ -285,7 +285,7 @@ class DecodeImplementation:
     name: str = ""
     returns_attended: bool = False  # whether run can return the attended key set
     # whether tokens are gated (and certified) with the int8 token bounds of
-    # ``fused.int8_token_bounds_reference`` instead of the store's fp32 ones
+    # ``reference_compiled.int8_token_bounds_reference`` instead of the store's fp32 ones
     int8_token_bounds: bool = False
 
     def __init__(self, config: LouverConfig, device: torch.device, launch, shapes: HeadShapes | None,

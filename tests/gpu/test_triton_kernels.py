@@ -21,7 +21,7 @@ from louver_kernels.triton.grid_build import grid_build  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import HeadShapes, LouverDecode  # noqa: E402
-from louver_sgl.decode.gpu import GpuWorkspace  # noqa: E402
+from louver_sgl.decode.impl_triton import GpuWorkspace  # noqa: E402
 from louver_sgl.decode.reference import reference_decode  # noqa: E402
 from louver_sgl.index import grid  # noqa: E402
 

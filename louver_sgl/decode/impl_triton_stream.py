@@ -6,7 +6,7 @@ Launches: the threshold pass of ``triton`` (``exact_part``; certified: ``certifi
 (request, KV head, segment) compacts its survivors into its list) -> fallback flags (union over
 the dense-fallback fraction, or a segment list past its capacity) -> ``attend_survivors``
 (the request's survivors shared evenly by the splits) -> for the a-posteriori certified rule
-``triton``'s check and band pass (``gpu.a_posteriori_band``; its fused kernel gates the band by
+``triton``'s check and band pass (``impl_triton.a_posteriori_band``; its fused kernel gates the band by
 the filter's arithmetic) and the fallback flags again -> the dense fallback pass where a request
 can be flagged -> ``merge``. Same contract, statistics and workspace as ``triton``, plus the
 survivor lists, allocated with it; nothing reads the device on the host. With
@@ -21,7 +21,7 @@ import torch
 
 from . import threshold as th
 from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout, gates_values
-from .gpu import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
+from .impl_triton import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import stream_decode as stream  # noqa: E402

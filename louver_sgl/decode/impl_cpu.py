@@ -9,7 +9,7 @@ per layer (``CompiledLayer``) and a plan side made once per forward pass (``Step
 steps choose T between the exact part and the attend pass by one compiled pass over every page's
 codes (``certified_threshold``: the histogram of all token bounds, the int8 ones the attend pass
 gates with; the rule is ``threshold.certified_choice``). Every compiled phase has its torch
-specification here or in step.py / threshold.py.
+specification in reference_compiled.py, impl_torch.py or threshold.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any, Mapping
 import torch
 
 from ..config import LouverConfig
-from ..index.grid import unpack_codes
 from ..index.store import PageIndexStore
 from ..settings import Environment
 from . import threshold as th
@@ -30,7 +29,6 @@ from .contract import (
     gates_values,
 )
 from .plan import plan_decode
-from .segments import seg_sum
 
 
 @dataclass(frozen=True)
@@ -290,25 +288,6 @@ def _step_plan(ops, plan: DecodePlan, chunks: tuple, part: "_Outputs", dim: int)
     return part, q32, step_plan
 
 
-def step_stats_reference(t, z, per_head, per_req, masses, index_dropped, num_indexed, fallback_fraction, h_kv):
-    """The specification of the compiled ``step_stats`` (which packs them, see
-    ``StepStats.from_packed``): (threshold, candidates, pages_skipped, mass_bound, dense_fallback,
-    counts) as new tensors (shapes in the op's comment) and whether any request falls back to
-    dense. The bound is (index-dropped + value-gated mass) / Z with Z
-    the larger of the exact part's lower bound and the dense part plus every union candidate;
-    requests over the fallback fraction attend densely (bound 0, every indexed key a candidate,
-    every V row read)."""
-    fallback = per_req[:, 0] > fallback_fraction * (num_indexed * h_kv).clamp(min=1)
-    z_final = torch.maximum(z[..., 0] + z[..., 1], z[..., 0] + masses[..., 2])
-    dropped = index_dropped if index_dropped.numel() else masses[..., 0]
-    bound = torch.where(fallback[:, None], 0.0, (dropped + masses[..., 1]) / z_final)
-    candidates = torch.where(fallback[:, None], num_indexed[:, None], per_head[..., 0])
-    counts = per_req.clone()
-    counts[:, 1] = torch.where(fallback, num_indexed * h_kv, per_req[:, 1])  # dense reads every V row
-    fields = (t.clone(), candidates, per_head[..., 1].clone(), bound, fallback, counts)
-    return fields, bool(fallback.any())
-
-
 class _Outputs:
     """The compiled step's output buffers (made once per plan, see ``CpuDecode``; shapes in the op
     comments)."""
@@ -373,24 +352,9 @@ def _exact(ops, q32, k_cache, plan: DecodePlan, sigma: float, part: _Outputs, bu
     return part.exact_part(plan)
 
 
-def chunk_totals_reference(counts, mass, chunk_req, batch):
-    """Per-request totals of the attend kernel's chunk outputs: per_head ``[B, H_q, 2]`` (attended,
-    pages skipped), per_req ``[B, 3]`` (union candidates, values read, pages read of KV head 0's
-    task), masses ``[B, H_q, 3]``. The specification of the compiled ``chunk_totals``."""
-    n_chunks, h_kv, width = counts.shape
-    groups = (width - 3) // 2
-    heads = h_kv * groups
-    per_head = seg_sum(torch.stack([counts[..., :groups], counts[..., groups: 2 * groups]], -1)
-                       .reshape(n_chunks, heads, 2), chunk_req, batch)
-    per_req = seg_sum(torch.stack([counts[..., 2 * groups].sum(1), counts[..., 2 * groups + 1].sum(1),
-                                   counts[:, 0, 2 * groups + 2]], -1), chunk_req, batch)
-    masses = seg_sum(mass.reshape(n_chunks, heads, 3), chunk_req, batch)
-    return per_head, per_req, masses
-
-
 def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_size: int, ops,
                         budget: float = -1.0) -> tuple[ExactPart, torch.Tensor | None]:
-    """``step.exact_part`` in one compiled call (the sample padded to ``sample_size`` rows, which
+    """``impl_torch.exact_part`` in one compiled call (the sample padded to ``sample_size`` rows, which
     the budget quantile does not see: padding is −inf), and with ``budget`` >= 0 the budget
     policy's T ``[B, H_q]`` (else None)."""
     batch, heads = q32.shape[:2]
@@ -399,43 +363,3 @@ def compiled_exact_part(q32, k_cache, plan: DecodePlan, sigma: float, sample_siz
     return ex, (part.t if budget >= 0 else None)
 
 
-def int8_token_bounds_reference(weights, offset, codes, bits):
-    """The attend pass's int8 token bounds: the specification of the compiled ones.
-
-    Each head's page weights w (``grid_query_terms``) become ``step·wq`` with ``wq`` int8
-    (step = max|w| / 127, rounded to nearest); the bound is offset + slack + step·Σ wq·code with
-    the integer sum exact, where slack covers the channels rounded down (codes are never negative)
-    and fp32 rounding. weights ``[n, H_kv, G, D]``, offset ``[n, H_kv, G]`` fp32; codes ``[n, P,
-    H_kv, B]`` packed -> ``[n, P, H_kv, G]`` fp32.
-    """
-    top = weights.abs().amax(-1, keepdim=True)
-    step = torch.where(top > 0, top / 127.0, torch.ones_like(top))
-    wq = torch.round(weights * (1.0 / step)).clamp(-127, 127)
-    err = (weights - step * wq).clamp(min=0).sum(-1)
-    mag = (step * wq).abs().sum(-1)
-    slack = ((1 << bits) - 1) * (err * (1 + 2.0**-16) + mag * 2.0**-20) + 2.0**-126
-    slack = torch.where(torch.isfinite(top[..., 0]), slack, float("nan"))
-    dots = torch.einsum("npkd,nkgd->npkg", unpack_codes(codes, bits).long(), wq.long())
-    return (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
-
-
-def merge_reference(ex, m, l, o, chunk_req, v_cache, plan: DecodePlan, sigma, batch) -> torch.Tensor:
-    """Merge chunk softmax states (m in σ·score units) with the dense part: ``[B, H_q, D_v]``.
-
-    The specification of the compiled ``merge_chunks`` (tested against it)."""
-    n_chunks = len(chunk_req)
-    heads, d_v = ex.s_dense.shape[1], v_cache.shape[-1]
-    groups = heads // v_cache.shape[1]
-    x_d = sigma * ex.s_dense  # [ND, H_q]
-    m_c = m.view(n_chunks, heads)
-    top = torch.full((batch, heads), float("-inf"))
-    top.scatter_reduce_(0, plan.dense_req[:, None].expand_as(x_d), x_d, reduce="amax")
-    top.scatter_reduce_(0, chunk_req[:, None].expand_as(m_c), m_c, reduce="amax")
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w_d = torch.exp(x_d - top[plan.dense_req])
-    v_d = v_cache[plan.dense_slots].to(torch.float32).repeat_interleave(groups, dim=1)
-    scale_c = torch.exp(m_c - top[chunk_req])  # 0 for empty chunks (m = −inf)
-    den = seg_sum(w_d, plan.dense_req, batch) + seg_sum(l.view(n_chunks, heads) * scale_c, chunk_req, batch)
-    num = seg_sum(w_d[..., None] * v_d, plan.dense_req, batch)
-    num += seg_sum(o.view(n_chunks, heads, d_v) * scale_c[..., None], chunk_req, batch)
-    return num / den[..., None]
