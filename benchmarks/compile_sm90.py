@@ -113,7 +113,7 @@ def compile_step(impl: str, policy: str, dtype, dim: int, groups: int, bits: int
     grid_build(k, torch.arange(store.num_pages), t["lo"], t["scale"], t["radius"], t["codes"], page, bits)
     decode = implementation(impl)(config, torch.device("cpu"), None, None, Capacity(None, None))
     plan = decode.plan(table, lens)
-    decode.run(plan, q, k, v, store, dim ** -0.5, None, stats=False, attended=False)
+    decode.run(plan, q=q, k_cache=k, v_cache=v, store=store, sigma=dim ** -0.5)
 
 
 def main() -> int:

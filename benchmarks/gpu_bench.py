@@ -148,7 +148,7 @@ def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch, i
 
     def step(with_stats: bool = False):
         result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, out=out, stats=with_stats)
-        holder["stats"] = result[1] if with_stats else None
+        holder["stats"] = result.stats
 
     return step, out, holder, store, build_s
 
@@ -238,7 +238,8 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
             store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE)
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
             decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
-            _, stats, masks = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
+            step_result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
+            stats, masks = step_result.stats, step_result.attended
             attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool)
             for b, m in enumerate(masks):
                 attended[b, :, : m.shape[1]] = m

@@ -89,7 +89,8 @@ class LouverPolicy:
     def decode(self, q, kv: LayerKV, sigma):
         table = torch.arange(kv.store.num_pages)[None]
         decode = LouverDecode(self.config, impl="torch").plan(table, torch.tensor([kv.length]))
-        out, stats, attended = decode.run(q[None], kv.k, kv.v, kv.store, sigma, attended=True)
+        step_result = decode.run(q[None], kv.k, kv.v, kv.store, sigma, attended=True)
+        out, stats, attended = step_result.out, step_result.stats, step_result.attended
         return out[0].float(), StepRecord(attended[0], stats)
 
 

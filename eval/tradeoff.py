@@ -51,7 +51,8 @@ def _louver_sets(pb, config: LouverConfig) -> tuple[list[torch.Tensor], torch.Te
     store = PageIndexStore(config, len(pb.k) // config.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
     store.build_pages(pb.k, torch.arange(store.num_pages))
     decode = LouverDecode(config, impl="torch").plan(pb.page_table, pb.seq_lens)
-    _, stats, attended = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, attended=True)
+    step_result = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, attended=True)
+    stats, attended = step_result.stats, step_result.attended
     return attended, stats.mass_bound
 
 

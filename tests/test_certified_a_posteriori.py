@@ -91,7 +91,8 @@ def _random_case(config, dtype=torch.float32, h_kv=2, groups=3, seed=0):
 def _run(config, q, k, v, table, lens, store, sigma):
     decode = LouverDecode(config, "cpu", impl="torch")
     decode.plan(table, lens)
-    return decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    return step_result.out, step_result.stats, step_result.attended
 
 
 @pytest.mark.parametrize("share", [0.25, 1.0, 4.0])
@@ -117,7 +118,7 @@ def test_torch_step_follows_the_reference(share, eps, family, h_kv, groups):
         assert not bool(((scores >= stats.threshold[b, :, None].double()) & ~masks[b]).any()), "recall < 1"
     hist = LouverDecode(config.with_(certified_rule="histogram"), "cpu", impl="torch")
     hist.plan(table, lens)
-    _, hist_stats = hist.run(q, k, v, store, sigma, stats=True)
+    hist_stats = hist.run(q, k, v, store, sigma, stats=True).stats
     assert bool((stats.threshold >= hist_stats.threshold - 1e-4).all())
     assert bool((stats.candidates <= hist_stats.candidates).all())
 
@@ -162,7 +163,8 @@ def test_compiled_step_keeps_the_rules_promises(share, eps, dtype):
     sigma = 1 / math.sqrt(64)
     decode = LouverDecode(config, "cpu", impl="cpu", launch={"chunk_pages": 3})
     decode.plan(table, lens)
-    out, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    out, stats, masks = step_result.out, step_result.stats, step_result.attended
     spec = compiled_attended(q, k, table, lens, store, stats.threshold, kernel_bounds=True)
     assert all(torch.equal(m, w) for m, w in zip(masks, spec)), "attended set differs from its specification"
     counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
@@ -179,7 +181,7 @@ def test_compiled_step_keeps_the_rules_promises(share, eps, dtype):
         torch.testing.assert_close(out[b].double(), want, atol=tol * float(values.abs().max()), rtol=0)
     hist = LouverDecode(config.with_(certified_rule="histogram"), "cpu", impl="cpu", launch={"chunk_pages": 3})
     hist.plan(table, lens)
-    _, hist_stats = hist.run(q, k, v, store, sigma, stats=True)
+    hist_stats = hist.run(q, k, v, store, sigma, stats=True).stats
     assert bool((stats.threshold >= hist_stats.threshold).all())
     assert bool((stats.candidates <= hist_stats.candidates).all())
     # the first pass reads the pages the histogram rule's level keeps (its reserve covers every
@@ -205,7 +207,8 @@ def test_real_trace_keeps_fewer_keys_with_recall_one(eps):
             store.build_pages(batch.k, torch.arange(store.num_pages))
             decode = LouverDecode(config, "cpu", impl=impl)
             decode.plan(batch.page_table, batch.seq_lens)
-            out, stats, masks = decode.run(batch.q, batch.k, batch.v, store, batch.sigma, attended=True)
+            step_result = decode.run(batch.q, batch.k, batch.v, store, batch.sigma, attended=True)
+            out, stats, masks = step_result.out, step_result.stats, step_result.attended
             assert not bool(stats.dense_fallback.any())
             totals[impl, rule] += int(stats.candidates.sum())
             for b in range(4):
@@ -250,7 +253,8 @@ def test_triton_steps_lower_on_the_device_and_attend_no_key_twice(impl):
     sigma = 1 / math.sqrt(64)
     decode = LouverDecode(config, "cpu", impl=impl)
     decode.plan(table, lens)
-    out, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    out, stats, masks = step_result.out, step_result.stats, step_result.attended
     lowered = decode.impl.workspace.band.lowered[: len(LENS)]
     assert bool(lowered.any()) and not bool(lowered.all()), "the band pass should run for some heads, not all"
     counts = torch.stack([m.sum(1) for m in masks]) - (lens - stats.num_indexed)[:, None]
@@ -266,7 +270,7 @@ def test_triton_steps_lower_on_the_device_and_attend_no_key_twice(impl):
         torch.testing.assert_close(out[b].double(), want, atol=2e-5 * float(values.abs().max()), rtol=0)
     hist = LouverDecode(config.with_(certified_rule="histogram"), "cpu", impl=impl)
     hist.plan(table, lens)
-    _, hist_stats = hist.run(q, k, v, store, sigma, stats=True)
+    hist_stats = hist.run(q, k, v, store, sigma, stats=True).stats
     assert bool((stats.threshold >= hist_stats.threshold).all())
     assert bool((stats.candidates <= hist_stats.candidates).all())
     assert int(stats.candidates.sum()) < int(hist_stats.candidates.sum())
@@ -282,7 +286,7 @@ def test_the_triton_band_reads_nothing_on_the_host(impl, monkeypatch):
     decode = LouverDecode(config, "cpu", impl=impl)
     plan = decode.impl.plan(table, lens)
     out = torch.empty(len(LENS), 6, 64, dtype=torch.float16)
-    decode.impl.run(plan, q, k, v, store, 0.125, out, stats=False, attended=False)  # allocates the workspace
+    decode.impl.run(plan, q=q, k_cache=k, v_cache=v, store=store, sigma=0.125, out=out)  # allocates the workspace
     plan = decode.impl.plan(table, lens)
     before = out.clone()
 
@@ -311,7 +315,8 @@ def test_a_batch_without_indexed_pages(impl):
     q = torch.randn(len(lens), 6, 64, generator=torch.Generator().manual_seed(4))
     decode = LouverDecode(config, "cpu", impl=impl)
     decode.plan(table, seq_lens)
-    out, stats, masks = decode.run(q, k, v, store, 0.125, attended=True)
+    step_result = decode.run(q, k, v, store, 0.125, attended=True)
+    out, stats, masks = step_result.out, step_result.stats, step_result.attended
     assert bool((stats.num_indexed == 0).all()) and all(bool(m.all()) for m in masks)
     assert float(stats.mass_bound.abs().max()) == 0.0
     for b in range(len(lens)):

@@ -70,7 +70,8 @@ def _step(impl, config, q, k, v, table, lens, store, sigma):
             pytest.skip(str(exc))
         raise
     decode.plan(table, lens)
-    return decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    return step_result.out, step_result.stats, step_result.attended
 
 
 def _check_step(config, q, k, v, table, lens, store, sigma, out, stats, masks):

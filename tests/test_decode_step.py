@@ -9,7 +9,7 @@ import torch
 
 from conftest import compiled_attended, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
-from louver_sgl.decode import LouverDecode, dense_attention, louver_decode
+from louver_sgl.decode import DecodeResult, LouverDecode, StepStats, dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
 from louver_sgl.decode.contract import gates_values
 
@@ -37,7 +37,8 @@ def _dense_rows(q, k, v, table, seq_lens, sigma, size):
 def _own_step(q, k, v, table, lens, store, sigma, impl, config=None, launch=None):
     """(out, stats, attended masks) of one step, the masks being the implementation's own set."""
     decode = LouverDecode(config or store.config, "cpu", impl=impl, launch=launch).plan(table, lens)
-    return decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    return step_result.out, step_result.stats, step_result.attended
 
 
 def _masked_dense(q, k, v, table, seq_lens, sigma, size, attended):
@@ -296,6 +297,23 @@ def test_caller_owned_output_buffer(policy, dtype):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_run_returns_one_typed_result_whatever_was_asked(impl):
+    """``run`` returns a ``DecodeResult`` every time: ``stats`` only when asked for (or with the
+    attended set), ``attended`` only when asked for; the output is the same either way."""
+    needs_impl(impl)
+    cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32, grid_bits=4)
+    q, k, v, table, lens, store = _setup(cfg)
+    decode = LouverDecode(cfg, impl=impl).plan(table, lens)
+    plain, counted, audited = (decode.run(q, k, v, store, 0.125, **flags)
+                               for flags in ({}, {"stats": True}, {"attended": True}))
+    assert all(isinstance(r, DecodeResult) for r in (plain, counted, audited))
+    assert plain.stats is None and plain.attended is None
+    assert isinstance(counted.stats, StepStats) and counted.attended is None
+    assert isinstance(audited.stats, StepStats) and len(audited.attended) == q.shape[0]
+    torch.testing.assert_close(counted.out, plain.out, atol=0, rtol=0)
+
+
 def test_compiled_layer_steps_are_reused_only_for_the_same_layer():
     """Later steps of a layer on one plan reuse the layer's compiled side (kept by the wrapper):
     same output and statistics as the first step, the caller's out buffer and q's dtype honoured;
@@ -304,20 +322,22 @@ def test_compiled_layer_steps_are_reused_only_for_the_same_layer():
     cfg = LouverConfig(page_size=16, policy="budget", budget=0.1, sample_size=32, grid_bits=4)
     q, k, v, table, lens, store = _setup(cfg)
     decode = LouverDecode(cfg, impl="cpu").plan(table, lens)
-    first, first_stats = decode.run(q, k, v, store, 0.125, stats=True)
+    step_result = decode.run(q, k, v, store, 0.125, stats=True)
+    first, first_stats = step_result.out, step_result.stats
     (compiled,) = decode.impl.layers.values()
-    again, stats = decode.run(q, k, v, store, 0.125, stats=True)
+    step_result = decode.run(q, k, v, store, 0.125, stats=True)
+    again, stats = step_result.out, step_result.stats
     assert list(decode.impl.layers.values()) == [compiled]  # reused, not rebuilt
     torch.testing.assert_close(again, first, atol=0, rtol=0)
     for name in ("threshold", "candidates", "mass_bound", "union_candidates", "values_read"):
         assert torch.equal(getattr(stats, name), getattr(first_stats, name)), name
     out = torch.full_like(q, float("nan"), dtype=torch.float16)
-    got = decode.run(q.half(), k, v, store, 0.125, out=out)
+    got = decode.run(q.half(), k, v, store, 0.125, out=out).out
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got.float(), first, atol=2e-3, rtol=2e-3)
     k2, v2 = k.clone(), v.clone()
     v2[:] = 0.0  # another layer's caches over the same index: output zero
-    got = decode.run(q, k2, v2, store, 0.125)
+    got = decode.run(q, k2, v2, store, 0.125).out
     assert float(got.abs().max()) == 0.0 and len(decode.impl.layers) == 2
 
 
@@ -333,6 +353,6 @@ def test_one_plan_serves_every_layer_and_a_wrong_batch_is_rejected(impl):
     with pytest.raises(RuntimeError, match="before plan"):
         decode.run(q, k, v, store, 0.125)
     decode.plan(table, lens)
-    torch.testing.assert_close(decode.run(q, k, v, store, 0.125), want, atol=0, rtol=0)
+    torch.testing.assert_close(decode.run(q, k, v, store, 0.125).out, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="plan is for"):
         decode.run(q[:2], k, v, store, 0.125)

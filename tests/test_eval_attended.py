@@ -36,7 +36,8 @@ def test_matches_real_step_and_reference(options):
     q, k, v, table, lens, store = _setup(cfg)
     sigma = 1 / math.sqrt(64)
     want, want_stats = louver_decode(q, k, v, table, lens, store, sigma, impl="torch")
-    out, stats, attended = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, sigma, attended=True)
+    step_result = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, sigma, attended=True)
+    out, stats, attended = step_result.out, step_result.stats, step_result.attended
     assert torch.equal(out, want)
     for field in ("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback"):
         assert torch.equal(getattr(stats, field), getattr(want_stats, field)), field
@@ -50,7 +51,8 @@ def test_attended_set_has_every_key_at_or_above_t():
     """Recall 1.0 against fp64 scores, the invariant the exactness evaluation checks at scale."""
     cfg = LouverConfig(page_size=16, sample_size=32, policy="budget", budget=0.05)
     q, k, v, table, lens, store = _setup(cfg, seed=3)
-    _, stats, attended = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, 0.125, attended=True)
+    step_result = LouverDecode(cfg, impl="torch").plan(table, lens).run(q, k, v, store, 0.125, attended=True)
+    stats, attended = step_result.stats, step_result.attended
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         scores = brute_force_scores(q[b], k[table[b, pos // 16] * 16 + pos % 16])

@@ -68,7 +68,8 @@ def test_torch_step_equals_the_reference():
     sigma = 1 / math.sqrt(64)
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     decode = LouverDecode(config, "cpu", impl="torch").plan(table, lens)
-    _, stats, masks = decode.run(q, k, v, store, sigma, attended=True)
+    step_result = decode.run(q, k, v, store, sigma, attended=True)
+    stats, masks = step_result.stats, step_result.attended
     for b in range(len(LENS)):
         # T moves with ref and Z_lb, whose fp32 scores the two compute in different orders
         torch.testing.assert_close(stats.threshold[b], info[b]["threshold"], rtol=1e-5, atol=1e-4)
@@ -85,7 +86,8 @@ def test_compiled_step_takes_the_provisional_level():
     sigma = 1 / math.sqrt(64)
     _, info = reference_decode(q, k, v, table, lens, store, sigma)
     one = LouverDecode(config, "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
-    _, stats, masks = one.run(q, k, v, store, sigma, attended=True)
+    step_result = one.run(q, k, v, store, sigma, attended=True)
+    stats, masks = step_result.stats, step_result.attended
     for b in range(len(LENS)):
         # the compiled exact part's Z_lb is its fp32-exp lower bound (kMassDown), a little below the
         # fp64 sum: T sits lower by ln(that factor)/σ, far inside this tolerance, while a wrong
@@ -98,7 +100,7 @@ def test_compiled_step_takes_the_provisional_level():
         counted = mask.sum(1) - (int(lens[b]) - int(stats.num_indexed[b]))
         assert torch.equal(counted, stats.candidates[b]), "counts differ from the attended set"
     two = LouverDecode(config.with_(certified_passes=2), "cpu", impl="cpu", launch={"chunk_pages": 3}).plan(table, lens)
-    _, stats2 = two.run(q, k, v, store, sigma, stats=True)
+    stats2 = two.run(q, k, v, store, sigma, stats=True).stats
     assert bool((stats2.mass_bound < config.eps).all())
 
 
@@ -113,7 +115,8 @@ def test_a_failed_check_takes_the_histogram_rule_for_that_request_only(impl):
 
     def step(cfg, keys):
         decode = LouverDecode(cfg, "cpu", impl=impl, launch=launch).plan(table, lens)
-        return decode.run(q, keys, v, store, sigma, stats=True)
+        step_result = decode.run(q, keys, v, store, sigma, stats=True)
+        return step_result.out, step_result.stats
 
     clean_out, clean = step(config, k)
     bad = k.clone()

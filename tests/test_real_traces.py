@@ -60,7 +60,8 @@ def test_certified_bound_on_real_traces(trace, impl, eps):
         store = PageIndexStore(config, len(pb.k) // config.page_size, pb.k.shape[1], pb.k.shape[2], pb.k.dtype)
         store.build_pages(pb.k, torch.arange(store.num_pages))
         decode = LouverDecode(config, "cpu", impl=impl).plan(pb.page_table, pb.seq_lens)
-        _, stats, attended = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, attended=True)
+        step_result = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, attended=True)
+        stats, attended = step_result.stats, step_result.attended
         assert bool((stats.mass_bound < eps).all())
         assert not bool(stats.dense_fallback.any()) and bool((stats.num_indexed > 0).all()), "not on the sparse path"
         counts = torch.stack([m.sum(1) for m in attended]) - (pb.seq_lens - stats.num_indexed)[:, None]

@@ -72,5 +72,6 @@ class CpuTarget(Target):
 
         def step():
             with cpu_threads(int(launch["num_threads"])):
-                return decode.run(batch.q, batch.k, batch.v, store, batch.sigma, stats=True)
+                step_result = decode.run(batch.q, batch.k, batch.v, store, batch.sigma, stats=True)
+                return step_result.out, step_result.stats
         return step

@@ -85,5 +85,6 @@ class CudaTarget(Target):
         out = torch.empty_like(q)
 
         def step():
-            return decode.run(q, batch.k, batch.v, store, batch.sigma, out=out, stats=True)
+            step_result = decode.run(q, batch.k, batch.v, store, batch.sigma, out=out, stats=True)
+            return step_result.out, step_result.stats
         return step

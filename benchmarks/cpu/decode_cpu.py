@@ -229,7 +229,7 @@ def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_p
             step = lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)
             dense_ms, ms = timeit_paired(variants[best], step, repeats)
             plan_ms = timeit(lambda: plan_decode(pb.page_table, pb.seq_lens, cfg), repeats)
-            _, stats = step()
+            stats = step().stats
             n_idx = stats.num_indexed.sum().clamp(min=1)
             result["louver"].append({
                 "index": index_name, "policy": pol_name, "ms": ms, "dense_ms": dense_ms, "speedup": dense_ms / ms,

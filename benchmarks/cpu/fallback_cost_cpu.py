@@ -40,7 +40,7 @@ def _prepared(batch, config: LouverConfig):
     store.build_pages(batch.k, torch.arange(store.num_pages))
     decode = LouverDecode(config, "cpu", impl="cpu")
     decode.plan(batch.page_table, batch.seq_lens)
-    _, stats = decode.run(batch.q, batch.k, batch.v, store, batch.sigma, stats=True)
+    stats = decode.run(batch.q, batch.k, batch.v, store, batch.sigma, stats=True).stats
     return decode, store, bool(stats.dense_fallback.all())
 
 

@@ -119,7 +119,7 @@ def run_case(trace, layer: int, batch: int, index_kw: dict, budget: float, round
     store.build_pages(pb.k, plan.page_ids)
     decode = LouverDecode(cfg, "cpu").plan(pb.page_table, pb.seq_lens)
     step = lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)
-    _, stats = step()
+    stats = step().stats
     pages, k_rows, v_rows = access_pattern(stats, store, plan)
     codes = store.tensors["codes"]
     page_bytes = store.code_bytes_per_page()

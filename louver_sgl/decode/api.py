@@ -2,9 +2,9 @@
 
     decode = LouverDecode(config, device="cpu")              # impl="auto": best available here
     decode.plan(page_table, seq_lens)                         # host side, once per forward pass
-    out = decode.run(q, k_cache, v_cache, store, sigma)       # device side, once per layer
-    out, stats = decode.run(..., stats=True)                  # + StepStats
-    out, stats, attended = decode.run(..., attended=True)     # + attended key set (audits; every impl)
+    out = decode.run(q, k_cache, v_cache, store, sigma).out   # device side, once per layer
+    stats = decode.run(..., stats=True).stats                 # + StepStats
+    result = decode.run(..., attended=True)                   # + attended key set (audits; every impl)
 
 Implementations register by name (``register_implementation``): ``torch`` (vectorised torch, both
 bound families), ``cpu`` (the compiled CPU kernels), ``triton`` (the GPU kernels, filter and
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..config import LouverConfig
-from .contract import Capacity, DecodeImplementation, HeadShapes
+from .contract import Capacity, DecodeImplementation, DecodeResult, HeadShapes
 
 # name -> "module:Class" (imported when first asked for: the Triton module needs triton)
 _IMPLEMENTATIONS: dict[str, str | type] = {
@@ -146,7 +146,7 @@ class LouverDecode:
         return self._plan
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store, sigma: float,
-            out: torch.Tensor | None = None, stats: bool = False, attended: bool = False):
+            out: torch.Tensor | None = None, stats: bool = False, attended: bool = False) -> DecodeResult:
         """One decode step of the planned batch for one layer.
 
         Args:
@@ -159,8 +159,8 @@ class LouverDecode:
                 ``[H_q, L]`` attended key set, the one the step itself attended (every implementation;
                 an audit aid: it adds a buffer write per attended key and a host loop).
 
-        Returns ``out`` ``[B, H_q, D_v]`` in q's dtype, ``(out, stats)`` with ``stats``, or
-        ``(out, stats, attended)`` with ``attended``.
+        Returns a ``DecodeResult``: ``out`` ``[B, H_q, D_v]`` in q's dtype, ``stats`` (None unless
+        ``stats`` or ``attended``) and ``attended`` (None unless ``attended``).
         """
         plan = self._plan
         if plan is None:
@@ -168,10 +168,11 @@ class LouverDecode:
         if attended and not self.impl.returns_attended:
             raise ValueError(f"the {self.impl_name!r} decode implementation does not return the attended set; "
                              "use impl='torch'")
-        out, step_stats, masks = self.impl.run(plan, q, k_cache, v_cache, store, sigma, out, stats, attended)
-        if attended:
-            return out, step_stats, masks
-        return (out, step_stats) if stats else out
+        result = self.impl.run(plan, q=q, k_cache=k_cache, v_cache=v_cache, store=store, sigma=sigma, out=out,
+                               stats=stats, attended=attended)
+        if result.stats is not None and not (stats or attended):  # implementations may count anyway
+            return DecodeResult(result.out)
+        return result
 
 
 def louver_decode(q, k_cache, v_cache, page_table, seq_lens, store, sigma: float, config: LouverConfig | None = None,
@@ -180,4 +181,5 @@ def louver_decode(q, k_cache, v_cache, page_table, seq_lens, store, sigma: float
     ``LouverDecode.plan`` and ``run``, config defaulting to ``store.config``. Returns
     ``(out [B, H_q, D_v], StepStats)``."""
     decode = LouverDecode(config or store.config, k_cache.device, impl=impl, launch=launch)
-    return decode.plan(page_table, seq_lens).run(q, k_cache, v_cache, store, sigma, out=out, stats=True)
+    result = decode.plan(page_table, seq_lens).run(q, k_cache, v_cache, store, sigma, out=out, stats=True)
+    return result.out, result.stats

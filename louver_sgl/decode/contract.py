@@ -10,11 +10,14 @@ means the same on every implementation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
 from ..config import LouverConfig
+
+if TYPE_CHECKING:
+    from ..index.store import PageIndexStore
 
 _T = TypeVar("_T")
 
@@ -272,14 +275,28 @@ class Capacity:
             raise ValueError(f"the page table is {pages} pages wide, more than max_pages={self.max_pages}")
 
 
+@dataclass(frozen=True)
+class DecodeResult:
+    """What one decode step returns (``LouverDecode.run``).
+
+    out: ``[B, H_q, D_v]`` in q's dtype (the caller's ``out`` buffer when it passed one).
+    stats: the step's ``StepStats`` when asked for (``stats=True`` or ``attended=True``), else None.
+    attended: with ``attended=True``, per request the bool ``[H_q, L]`` set of keys the step
+        attended (L: the request's tokens), else None.
+    """
+
+    out: torch.Tensor
+    stats: StepStats | None = None
+    attended: list[torch.Tensor] | None = None
+
+
 class DecodeImplementation:
     """One implementation of the decode step behind ``api.LouverDecode``.
 
     Subclasses set ``name``, and override ``unavailable`` (why it cannot run on a device, or None)
     and ``check_config`` (``ValueError`` naming the first option whose meaning it cannot honour).
-    ``plan`` is host-side and may allocate; ``run`` reads the plan and returns
-    ``(out [B, H_q, D_v], StepStats or None, attended masks or None)`` (masks only where
-    ``returns_attended``).
+    ``plan`` is host-side and may allocate; ``run`` reads the plan and returns a ``DecodeResult``
+    (stats at least when asked for, attended only where ``returns_attended``).
     """
 
     name: str = ""
@@ -308,7 +325,10 @@ class DecodeImplementation:
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor):
         raise NotImplementedError
 
-    def run(self, plan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+    def run(self, plan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: PageIndexStore,
+            sigma: float, out: torch.Tensor | None = None, stats: bool = False,
+            attended: bool = False) -> DecodeResult:
+        """One step of ``plan`` for one layer: arguments as ``LouverDecode.run``."""
         raise NotImplementedError
 
 

@@ -25,8 +25,8 @@ from ..index.store import PageIndexStore
 from ..settings import Environment
 from . import threshold as th
 from .contract import (
-    EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, ExactPart, RequestLayout, StepStats, check_inputs,
-    gates_values,
+    EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, DecodeResult, ExactPart, RequestLayout, StepStats,
+    check_inputs, gates_values,
 )
 from .plan import plan_decode
 
@@ -108,7 +108,9 @@ class CpuDecode(DecodeImplementation):
                             self.shapes.head_dim_v)
         return plan
 
-    def run(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+    def run(self, plan: DecodePlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
+            attended: bool = False) -> DecodeResult:
         layer = self.layers.get((id(k_cache), id(v_cache), id(store), sigma))
         if layer is None:
             layer = self._layer(plan, q, k_cache, v_cache, store, sigma)
@@ -117,10 +119,10 @@ class CpuDecode(DecodeImplementation):
             side = self._plan_side(plan, q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
         if not attended:
             out, step_stats = layer.run(q, plan, side, out)
-            return out, step_stats, None
+            return DecodeResult(out, step_stats)
         keep = torch.empty(len(plan.page_ids), plan.page_size, q.shape[1], dtype=torch.uint8)
         out, step_stats = layer.run(q, plan, side, out, keep)
-        return out, step_stats, attended_masks(keep, plan, self.config)
+        return DecodeResult(out, step_stats, attended_masks(keep, plan, self.config))
 
     def _layer(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float) -> "CompiledLayer":
         """The layer side of a layer's first step (its inputs checked here; later steps only by the kernel)."""

@@ -17,8 +17,11 @@ import torch
 
 from ..config import LouverConfig
 from ..index.numerics import norm_up, score_slack
+from ..index.store import PageIndexStore
 from . import threshold as th
-from .contract import DecodeImplementation, DecodePlan, ExactPart, StepStats, check_inputs, gates_values
+from .contract import (
+    DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs, gates_values,
+)
 from .filter import FilterResult, a_posteriori_filter, a_posteriori_second, run_filter
 from .plan import plan_decode
 from .segments import exact_scores, part_slack, seg_amax, seg_sum
@@ -38,13 +41,15 @@ class TorchDecode(DecodeImplementation):
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
         return plan_decode(page_table, seq_lens, self.config)
 
-    def run(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+    def run(self, plan: DecodePlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
+            attended: bool = False) -> DecodeResult:
         check_inputs(q, k_cache, v_cache, store, self.config)
         if plan.batch_size != q.shape[0]:
             raise ValueError(f"the plan is for {plan.batch_size} requests, q has {q.shape[0]}")
         step = run_decode(q, k_cache, v_cache, plan, store, sigma, self.config, out, keep_parts=attended)
         masks = attended_masks(*step[2], plan, q.shape[1], k_cache.shape[0]) if attended else None
-        return step[0], step[1], masks
+        return DecodeResult(step[0], step[1], masks)
 
 
 def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None, keep_parts: bool = False):

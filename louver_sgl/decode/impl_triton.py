@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import LouverConfig
+from ..index.store import PageIndexStore
 from . import threshold as th
 from .contract import (
-    BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, HeadShapes, RequestLayout,
-    StepStats, gates_values,
+    BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, DecodeResult, HeadShapes,
+    RequestLayout, StepStats, gates_values,
 )
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
@@ -206,7 +207,9 @@ class TritonDecode(DecodeImplementation):
         view.seq_lens.copy_(seq_lens)
         return TritonPlan(batch, pages, view)
 
-    def run(self, plan: TritonPlan, q, k_cache, v_cache, store, sigma: float, out, stats: bool, attended: bool):
+    def run(self, plan: TritonPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
+            attended: bool = False) -> DecodeResult:
         if isinstance(plan.workspace, _Pending):
             plan = self._allocate_for(plan, q, k_cache, v_cache)
         check_run(q, k_cache, v_cache, plan, store, self.config)
@@ -221,7 +224,7 @@ class TritonDecode(DecodeImplementation):
         self.launches(q, k_cache, v_cache, plan.workspace, store, sigma, out, keep)
         counted = step_stats(plan.workspace, heads, self.config) if stats or attended else None
         masks = attended_masks(keep, plan.workspace.seq_lens) if attended else None
-        return out, counted, masks
+        return DecodeResult(out, counted, masks)
 
     def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
         """The kernels of one step on the workspace view ``ws`` of a planned batch."""

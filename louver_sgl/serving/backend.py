@@ -198,10 +198,10 @@ class LouverAttnBackend(AttentionBackend):
         self.index.build_unbuilt(layer.layer_id, page_table, seq_lens)
         step_start = time.perf_counter()
         with cpu_threads(self.serving.num_threads):
-            _, stats = self.decode.run(
+            stats = self.decode.run(
                 q.view(-1, h_q, dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.index.store(layer.layer_id),
-                layer.scaling, out=out.view(-1, h_q, dim), stats=True)
+                layer.scaling, out=out.view(-1, h_q, dim), stats=True).stats
         step_end = time.perf_counter()
         self.telemetry.record_step(stats, forward_batch.rids)
         if self.serving.step_timing:

@@ -98,4 +98,4 @@ class CudaDecodePath:
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, store: PageIndexStore,
                sigma: float, out: torch.Tensor) -> torch.Tensor:
         """One louver step for the prepared batch: q ``[bs, H_q, D]`` -> ``out`` ``[bs, H_q, D_v]``."""
-        return self.active.run(q, k_buffer, v_buffer, store, sigma, out=out)
+        return self.active.run(q, k_buffer, v_buffer, store, sigma, out=out).out

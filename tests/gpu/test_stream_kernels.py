@@ -43,7 +43,8 @@ def _setup(policy, dtype, groups=3, seed=0, **cfg):
 
 def _run(impl, config, q, k, v, table, lens, store, sigma, launch=LAUNCH):
     decode = LouverDecode(config, DEVICE, impl=impl, launch=launch).plan(table.to(DEVICE), lens.to(DEVICE))
-    out, stats, masks = decode.run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), store, sigma, attended=True)
+    step_result = decode.run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), store, sigma, attended=True)
+    out, stats, masks = step_result.out, step_result.stats, step_result.attended
     return out.cpu(), stats, [m.cpu() for m in masks], decode
 
 

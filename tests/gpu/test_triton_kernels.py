@@ -96,7 +96,8 @@ def _setup(policy, dtype, dim=64, groups=3, seed=0, **cfg):
 def _run(config, q, k, v, table, lens, store, sigma):
     """One step through the wrapper: (out, stats fields, attended [B, H_q, W·P] bool)."""
     decode = LouverDecode(config, DEVICE, impl="triton", launch=SPLITS).plan(table.to(DEVICE), lens.to(DEVICE))
-    out, stats, masks = decode.run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), store, sigma, attended=True)
+    step_result = decode.run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), store, sigma, attended=True)
+    out, stats, masks = step_result.out, step_result.stats, step_result.attended
     attended = torch.zeros(len(LENS), q.shape[1], table.shape[1] * P, dtype=torch.bool)
     for b, mask in enumerate(masks):
         attended[b, :, : mask.shape[1]] = mask
