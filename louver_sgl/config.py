@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
+
+from .policy import ThresholdPolicy
 
 BOUND_FAMILIES = ("grid", "clustered")
 CLUSTERINGS = ("kd",)
@@ -131,6 +134,11 @@ class LouverConfig:
                 f"dense_fallback_fraction must lie in (0, 1], got {self.dense_fallback_fraction}"
             )
         _check_int("min_sparse_tokens", self.min_sparse_tokens, 0, 1 << 30)
+
+    @cached_property
+    def threshold(self) -> ThresholdPolicy:
+        """The threshold policy of this config as one object (what every step asks, not the strings)."""
+        return ThresholdPolicy.of(self)
 
     def subspace_width(self, head_dim: int) -> int:
         """Channels per subspace for ``head_dim``; raises if the split is not even."""

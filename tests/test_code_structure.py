@@ -108,3 +108,34 @@ def test_the_runtime_package_imports_no_tooling():
     wrong = {name: sorted(t for t in targets if t.startswith(("louver_eval", "louver_tuning")))
              for name, targets in runtime.items()}
     assert not {k: v for k, v in wrong.items() if v}
+
+
+POLICY_FIELDS = {"policy", "certified_passes", "certified_rule"}
+# the config validates its own fields; the policy object is the one reader of them
+POLICY_READERS = {ROOT / "louver_sgl" / "config.py", ROOT / "louver_sgl" / "policy.py"}
+
+
+def _policy_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing a ``.policy`` / ``.certified_passes`` / ``.certified_rule`` field."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr in POLICY_FIELDS for s in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_policy_string_comparison_outside_the_policy_object():
+    """Which threshold rule a step runs is asked of ``config.threshold`` (``ThresholdPolicy``)."""
+    wrong = []
+    for folder in (PACKAGES["louver_sgl"], PACKAGES["louver_tuning"], PACKAGES["louver_kernels"]):
+        for path in folder.rglob("*.py"):
+            if path not in POLICY_READERS:
+                wrong += [f"{path.relative_to(ROOT)}:{line}" for line in _policy_comparisons(ast.parse(path.read_text()))]
+    assert not wrong, "policy fields compared outside the policy object: " + ", ".join(wrong)
+
+
+def test_the_policy_check_sees_a_comparison():
+    assert _policy_comparisons(ast.parse("if config.policy == 'budget': pass\nx = cfg.certified_passes != 2")) == [1, 2]
+    assert _policy_comparisons(ast.parse("if config.threshold.budget_rule: pass")) == []

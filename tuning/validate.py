@@ -40,7 +40,7 @@ def check_step(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, o
         out: the step's output ``[B, H_q, D]``; stats: its ``StepStats`` (threshold, mass_bound ``[B, H_q]``).
         impl: the decode implementation that ran the step (``auto``: the one ``LouverDecode`` picks).
     """
-    if config.policy == "certified" and not bool((stats.mass_bound.cpu() < config.eps).all()):
+    if not config.threshold.certifies(stats.mass_bound):
         raise ConstraintViolation(f"certified bound {float(stats.mass_bound.max()):.3g} >= eps {config.eps}")
     int8 = uses_int8_token_bounds(resolve_implementation(impl, config, batch.k.device))
     for b in range(batch.q.shape[0]):

@@ -127,7 +127,7 @@ VALUE_GATE = ValueGate()
 def gates_values(config: LouverConfig) -> bool:
     """Whether candidates scoring below T skip their V read (budget and fixed policies; a
     certified step attends every candidate, so its bound is the index bound alone)."""
-    return config.value_gate and config.policy in ("budget", "fixed")
+    return config.threshold.gates_values
 
 
 # ----- the plan --------------------------------------------------------------------------------

@@ -67,11 +67,11 @@ def run_filter(
     pb = bounds.page_bound.reshape(len(page_ids), heads)
     x_page = th.log_mass(pb, ref[page_req], sigma)
     t = th.static_threshold(config, batch, heads)
-    if t is None and config.policy == "budget":
+    if t is None and config.threshold.budget_rule:
         t = th.budget_threshold(sample[0], sample[1], config.budget)
     if t is None:  # certified: T depends on every token bound
         tok = store.token_bounds(bounds, page_ids).reshape(len(page_ids), size, heads)
-        if config.certified_passes == 1:
+        if config.threshold.one_pass:
             return one_pass_filter(pb, tok, page_req, ref, z_lb, sigma, config)
         return certified_filter(pb, tok, page_req, ref, z_lb, sigma, config)
     keep_page = keep_at_least(pb, t[page_req])

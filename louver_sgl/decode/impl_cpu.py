@@ -190,23 +190,22 @@ GUIDED_SHARE = 2
 
 def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig):
     """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index."""
-    t_static = th.static_threshold_value(config)
-    certified = config.policy == "certified"
+    policy, t_static = config.threshold, th.static_threshold_value(config)
     meta = store.tensors
     return ops.LayerStep(
         k_cache=k_cache, v_cache=v_cache, lo=meta["lo"], scale=meta["scale"], radius=meta["radius"],
-        codes=meta["codes"], sigma=float(sigma), budget=float(config.budget if config.policy == "budget" else -1.0),
+        codes=meta["codes"], sigma=float(sigma), budget=policy.kernel_budget(),
         t_fixed=0.0 if t_static is None else t_static, value_gate=gates_values(config), gate_rel=VALUE_GATE.rel,
         bits=store.config.grid_bits, page_size=store.page_size,
         fallback_fraction=float(config.dense_fallback_fraction),
-        eps_budget=config.eps * th.BUDGET_SAFETY if certified else -1.0, rounding=th.HIST_ROUNDING,
-        one_pass=certified and config.certified_passes == 1, a_posteriori=has_band_pass(config),
-        estimate_share=float(config.estimate_share), **EDGES.kernel_args())
+        eps_budget=policy.kernel_eps_budget(th.BUDGET_SAFETY), rounding=th.HIST_ROUNDING,
+        one_pass=policy.one_pass, a_posteriori=policy.a_posteriori, estimate_share=policy.estimate_share,
+        **EDGES.kernel_args())
 
 
 def has_band_pass(config: LouverConfig) -> bool:
     """Whether a step of ``config`` runs the a-posteriori rule (its plan side then holds band buffers)."""
-    return config.policy == "certified" and config.certified_rule == "a_posteriori"
+    return config.threshold.a_posteriori
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor, plan: DecodePlan,
@@ -261,7 +260,7 @@ class CompiledLayer:
         # the dense policy's step (T = −inf: every key a candidate and attended) for fallbacks; a
         # dense-policy layer needs none, its own step already attends every key
         dense = config.with_(policy="dense", dense_fallback_fraction=1.0)
-        self.dense_layer = None if config.policy == "dense" else _layer_step(ops, k_cache, v_cache, store, sigma,
+        self.dense_layer = None if config.threshold.dense else _layer_step(ops, k_cache, v_cache, store, sigma,
                                                                              dense)
         # the caches and the store stay referenced: the implementation's key holds their id()s,
         # which must not be reused while the entry lives

@@ -60,7 +60,7 @@ def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=
     ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    if config.policy == "certified" and config.certified_rule == "a_posteriori":
+    if config.threshold.a_posteriori:
         filt, cand = _a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
         union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
     else:

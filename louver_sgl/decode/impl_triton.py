@@ -185,7 +185,7 @@ class TritonDecode(DecodeImplementation):
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
         if config.family != "grid":
             cls.reject("family", config.family, "the Triton kernels read grid codes")
-        if config.policy == "certified" and config.certified_passes == 1 and not cls.one_pass_certified:
+        if config.threshold.one_pass and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
@@ -258,7 +258,7 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
         a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     # a request can exceed the fraction only below 1; the dense policy's attend pass was dense already
-    if config.dense_fallback_fraction < 1.0 and config.policy != "dense":
+    if config.dense_fallback_fraction < 1.0 and not config.threshold.dense:
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
 
@@ -285,23 +285,24 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     h_kv = k_cache.shape[1]
     layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
     lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
-    certified = config.policy == "certified"
+    policy = config.threshold
+    certified = policy.certified
     kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, launch=launch,
-                    budget_threshold=ws.threshold if config.policy == "budget" else None, budget=config.budget,
+                    budget_threshold=ws.threshold if policy.budget_rule else None, budget=policy.budget,
                     hist=ws.hist if certified else None, habs=ws.habs if certified else None)
-    if config.policy in ("dense", "fixed"):
-        ws.threshold.fill_(-math.inf if config.policy == "dense" else config.fixed_threshold)
+    if policy.static_threshold is not None:
+        ws.threshold.fill_(policy.static_threshold)
     if certified:
         kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout, min_sparse,
                             config.grid_bits, EDGES, launch)
         # the a-posteriori rule's first level fits the estimate of Z; the histogram rule's, Z_lb
         z = _estimated_z(ws, sigma, config) if ws.band is not None else ws.z_lb
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, z, ws.threshold, ws.certificate, sigma,
-                                 config.eps * BUDGET_SAFETY, HIST_ROUNDING, h_kv, EDGES, launch)
+                                 policy.kernel_eps_budget(BUDGET_SAFETY), HIST_ROUNDING, h_kv, EDGES, launch)
 
 
 def _a_posteriori(config: LouverConfig) -> bool:
-    return config.policy == "certified" and config.certified_rule == "a_posteriori"
+    return config.threshold.a_posteriori
 
 
 def _estimated_z(ws: GpuWorkspace, sigma: float, config: LouverConfig) -> torch.Tensor:
@@ -382,9 +383,9 @@ def step_stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
         # the group's whole union at T0: also a lower bound of Z, and the one the bound is reported
         # against (the head's own attended mass alone can be smaller: the report exceeded eps)
         z_final = torch.fmax(z_final, ws.band.z_att)
-    if config.policy == "dense":
+    if config.threshold.dense:
         dropped = torch.zeros_like(z_final)
-    elif config.policy == "certified":
+    elif config.threshold.certified:
         dropped = ws.certificate
     else:
         dropped = per_head(ws.mass[:, :, :, 0]).double() + per_head(ws.mass[:, :, :, 1]).double()

@@ -105,7 +105,7 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
     filter_args = (q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, lists.as_kernel_args(),
                    ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens, config.grid_bits, launch)
-    if config.policy == "certified" and config.certified_passes == 1:
+    if config.threshold.one_pass:
         _one_pass_thresholds(q, k_cache, ws, lists, store, sigma, config, launch, filter_args, keep is not None)
     else:
         threshold_pass(q, k_cache, ws, store, sigma, config, launch)

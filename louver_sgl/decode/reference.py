@@ -71,7 +71,7 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     z_dense = torch.where(dense, torch.exp(x_all - sigma * part(dense)[:, None]), 0.0).sum(1)
     z_lb = z_dense + torch.where(is_sample, torch.exp(x_all - sigma * part(is_sample)[:, None]), 0.0).sum(1)
     pb, tb = _request_bounds(q, pages_row[indexed.start:indexed.stop].long(), store, h_q)
-    if cfg.policy == "certified" and cfg.certified_rule == "a_posteriori" and len(idx_pos):
+    if cfg.threshold.a_posteriori and len(idx_pos):
         t, keep, dropped = _a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
                                          groups)
     else:
@@ -86,7 +86,7 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     z_final = torch.maximum(z_lb, z_dense + torch.where(union, torch.exp(x_low[:, idx_pos]), 0.0).sum(1))
     below = union & (s_idx < th.gate_threshold(t)[:, None])
     gated = torch.where(below, torch.exp((x_all + sigma * slack)[:, idx_pos]), 0.0).sum(1)  # an upper bound
-    allowed = torch.full((h_q,), cfg.value_gate and cfg.policy in ("budget", "fixed"))
+    allowed = torch.full((h_q,), cfg.threshold.gates_values)
     att = dense.expand(h_q, n).clone()
     att[:, idx_pos] = union & ~(below & allowed[:, None])
     bound = (dropped + gated * allowed) / z_final
@@ -110,14 +110,13 @@ def _threshold_and_keep(pb, tb, s_idx, ref, z_lb, sigma, cfg: LouverConfig):
     pb_tok = pb.repeat_interleave(size, dim=1)
     u = torch.minimum(tb, pb_tok)
     x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
-    if cfg.policy == "dense":
-        t = torch.full((h_q,), -math.inf)
-    elif cfg.policy == "fixed":
-        t = torch.full((h_q,), float(cfg.fixed_threshold))
-    elif cfg.policy == "budget":
+    policy = cfg.threshold
+    if policy.static_threshold is not None:  # dense (−inf) and fixed
+        t = torch.full((h_q,), policy.static_threshold)
+    elif policy.budget_rule:
         t = _budget(s_idx, cfg)
     else:
-        one_pass = _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg) if cfg.certified_passes == 1 else None
+        one_pass = _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg) if policy.one_pass else None
         return one_pass if one_pass is not None else _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
     keep_page = ~(pb < t[:, None])
     keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])

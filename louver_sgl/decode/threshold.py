@@ -86,11 +86,7 @@ def gate_threshold(t: torch.Tensor) -> torch.Tensor:
 
 def static_threshold_value(config: LouverConfig) -> float | None:
     """T for the policies that need no data (fixed, dense); None otherwise."""
-    if config.policy == "dense":
-        return -math.inf
-    if config.policy == "fixed":
-        return float(config.fixed_threshold)
-    return None
+    return config.threshold.static_threshold
 
 
 def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:

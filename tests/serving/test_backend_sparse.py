@@ -15,7 +15,7 @@ import unittest
 import pytest
 import torch
 
-from louver_sgl.decode import api
+from louver_sgl.decode import DecodeResult, api
 from louver_sgl.decode.reference import reference_decode
 from louver_sgl.serving import backend as backend_module
 from louver_sgl.serving.plugin import register
@@ -46,11 +46,11 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
 
     def recording(self, q, k_cache, v_cache, store, sigma, **kwargs):
         # the backend's own call, with its attended set returned beside what the backend asked for
-        out, stats, attended = real(self, q, k_cache, v_cache, store, sigma, **{**kwargs, "attended": True})
+        result = real(self, q, k_cache, v_cache, store, sigma, **{**kwargs, "attended": True})
         plan = self.current_plan
         calls.append(((q, k_cache, v_cache, plan.page_table, plan.seq_lens, store, sigma, self.config),
-                      out.clone(), stats, attended))
-        return (out, stats) if kwargs.get("stats") else out
+                      result.out.clone(), result.stats, result.attended))
+        return DecodeResult(result.out, result.stats if kwargs.get("stats") else None)
 
     real = api.LouverDecode.run
     monkeypatch.setattr(api.LouverDecode, "run", recording)
