@@ -11,7 +11,6 @@ from conftest import compiled_attended, make_paged, needs_impl
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import DecodeResult, LouverDecode, StepStats, dense_attention, louver_decode
 from louver_sgl.decode.reference import reference_decode
-from louver_sgl.decode.contract import gates_values
 
 LENS = [300, 700, 20, 64, 129]
 GQA = [(2, 3), (1, 4), (4, 1)]
@@ -101,7 +100,7 @@ def test_fast_path_matches_reference(family, impl, policy, value_gate):
     assert bool((torch.isfinite(stats.threshold) == finite).all())
     torch.testing.assert_close(stats.threshold[finite], t_ref[finite], atol=1e-4, rtol=1e-5)
     ref_count = torch.stack([i["attended"].sum(1) for i in info]) - (lens - stats.num_indexed)[:, None]
-    if impl == "cpu" and not gates_values(cfg):
+    if impl == "cpu" and not cfg.threshold.gates_values:
         # int8 token bounds are looser: a superset of the reference's candidates is attended,
         # and every extra key scores below T (its weight is within the certified bound)
         assert bool((stats.candidates >= ref_count).all())

@@ -30,7 +30,7 @@ from louver_kernels.cpu_ops import DEFAULT_CACHE
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
-from louver_sgl.decode.impl_cpu import _layer_step, _Outputs, _step_plan, compiled_ops, has_band_pass, page_chunks
+from louver_sgl.decode.impl_cpu import _layer_step, _Outputs, _step_plan, compiled_ops, page_chunks
 
 from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit
 
@@ -64,7 +64,7 @@ def baseline_step(ops, pb, store, config, plan, chunk_pages: int):
     """The baseline build's LayerStep.run on its own plan side (buffers of its own), through the
     named boundary this tree's step has (``impl_cpu._layer_step`` / ``impl_cpu._step_plan``)."""
     chunks = page_chunks(plan, chunk_pages)
-    band = (len(plan.page_ids), plan.page_size) if has_band_pass(config) else None
+    band = (len(plan.page_ids), plan.page_size) if config.threshold.a_posteriori else None
     part = _Outputs(plan.batch_size, pb.q.shape[1], pb.k.shape[1], pb.v.shape[2], len(chunks[0]),
                     len(plan.dense_slots), config.sample_size, band=band)
     buffers = part.named()

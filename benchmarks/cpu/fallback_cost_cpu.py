@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -26,6 +25,7 @@ from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
+from benchmarks.record import command_line
 
 CASES = {
     "dense": dict(policy="dense"),
@@ -76,7 +76,7 @@ def main() -> None:
             print(f"{r['trace']} layer {layer}: dense {r['ms']['dense']:.3f} ms, sparse {r['ms']['sparse']:.3f} ms, "
                   f"with fallback {r['ms']['fallback']:.3f} ms ({r['fallback_over_sparse']:.2f}x sparse, "
                   f"{r['fallback_over_dense']:.2f}x dense)", flush=True)
-    result = dict(command="python -m benchmarks.cpu.fallback_cost_cpu " + " ".join(sys.argv[1:]),
+    result = dict(command=command_line(),
                   date=date.today().isoformat(), cpu=cpu_model_name(), machine=platform.machine(),
                   threads=torch.get_num_threads(), rows=rows)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -24,6 +23,7 @@ from louver_kernels.cpu_ops import cpu_model_name
 from louver_sgl.config import LouverConfig
 from louver_sgl.index.store import PageIndexStore
 from louver_sgl.profiles import SHIPPED_DIR, Profile
+from benchmarks.record import command_line
 
 # The index options the CPU server runs with in fp32 (the serving benchmarks' KV dtype).
 SERVED_PROFILE = SHIPPED_DIR / "cpu_amd_epyc_avx2.float32.json"
@@ -62,7 +62,7 @@ def main() -> None:
               "page_size": args.page_size, "grid_bits": args.grid_bits, "build_s": seconds,
               "build_ms_per_layer": 1e3 * seconds / args.layers, "ttft_s": ttft, "ttft_from": args.ttft_from,
               "build_fraction_of_ttft": seconds / ttft,
-              "command": "python -m benchmarks.cpu.prefill_build_cpu " + " ".join(sys.argv[1:])}
+              "command": command_line()}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from benchmarks.serving.serving_grid_cpu import CONFIGS, DEFAULT_CONFIGS
 from louver_eval.data.fetch_model import ensure_model
 from louver_eval.server import long_context_args
+from benchmarks.record import command_line
 
 KEYS = {"prefill_latency": "prefill_s", "prefill_throughput": "prefill_tok_s",
         "median_decode_latency": "decode_median_s", "median_decode_throughput": "decode_tok_s",
@@ -92,7 +93,7 @@ def main() -> None:
             rows.append(row)
             done.add((name, row["input_len"]))
             print(json.dumps(row), flush=True)
-        if commands[-1:] != [command := "python -m benchmarks.serving.one_batch_cpu " + " ".join(sys.argv[1:])]:
+        if commands[-1:] != [command := command_line()]:
             commands.append(command)
         out.write_text(json.dumps(data, indent=1))
 

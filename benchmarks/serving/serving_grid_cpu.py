@@ -28,6 +28,7 @@ from pathlib import Path
 from louver_kernels.cpu_ops import cpu_model_name
 from louver_eval.data.fetch_model import ensure_model
 from louver_eval.server import free_port, generate, long_context_args, sglang_server
+from benchmarks.record import command_line
 
 # configuration name -> (backend, policy label, louver environment)
 CONFIGS = {
@@ -168,7 +169,7 @@ def main() -> None:
     data.update(date=str(date.today()), cpu=cpu_model_name(), model="SmolLM2-135M-Instruct, fp32")
     # the grid is run in pieces: every invocation that added rows is kept
     commands = data.setdefault("commands", [data.pop("command")] if "command" in data else [])
-    commands.append("python -m benchmarks.serving.serving_grid_cpu " + " ".join(sys.argv[1:]))
+    commands.append(command_line())
     done = set() if args.rerun else {row_key(r) for r in data["rows"]}
 
     def save(row: dict) -> None:

@@ -199,6 +199,11 @@ def markdown(table: list[dict], rules: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _result_key(args: argparse.Namespace) -> str:
+    """The entry of the result file one index configuration writes and ``--markdown`` reads."""
+    return f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="+", required=True)
@@ -215,8 +220,7 @@ def main() -> None:
     if args.markdown is not None:
         share = f"a_posteriori-{LouverConfig.estimate_share:g}"
         rules = args.markdown or ["histogram", share, "exact_z", "oracle"]
-        key = f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
-        print(markdown(json.loads(Path(args.out).read_text())[key]["summary"], rules))
+        print(markdown(json.loads(Path(args.out).read_text())[_result_key(args)]["summary"], rules))
         return
     config = LouverConfig(page_size=args.page_size, grid_bits=args.grid_bits, policy="certified")
     start = time.time()
@@ -231,9 +235,9 @@ def main() -> None:
               f"band heads {row['band_head_share']:.2f} steps {row['band_step_share']:.2f}")
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
-    key = f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
-    previous[key] = {**stamped({}),
-                     "machine": platform.processor() or platform.machine(), "config": vars(args), "summary": table}
+    previous[_result_key(args)] = {**stamped({}),
+                                   "machine": platform.processor() or platform.machine(), "config": vars(args),
+                                   "summary": table}
     out.write_text(json.dumps(previous, indent=1))
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from datetime import date
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from louver_tuning.confirm import time_points
 from louver_tuning.cpu import CpuTarget
 from louver_tuning.storage import open_storage
 from louver_tuning.study import TuneSettings
+from benchmarks.record import command_line
 
 
 def grid_point(storage: str, name: str, launch_names: set[str]) -> tuple[dict, dict, float, int]:
@@ -74,7 +74,7 @@ def main() -> None:
         if args.tpe_study:
             extra["tpe_small_space"] = trials_to_within(args.storage, args.tpe_study, value)
     timed = time_points(CpuTarget(settings.repeats, settings.warmup), settings, points, args.rounds)
-    result = {"date": str(date.today()), "command": "python -m benchmarks.studies.tune_compare " + " ".join(sys.argv[1:]),
+    result = {"date": str(date.today()), "command": command_line(),
               "machine": {"device": profile.device_name, "threads": torch.get_num_threads(), "torch": torch.__version__},
               "profile": args.profile, "settings": s, "rounds": args.rounds, "points": timed, **extra}
     for name in timed:

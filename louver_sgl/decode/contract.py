@@ -124,12 +124,6 @@ class ValueGate:
 VALUE_GATE = ValueGate()
 
 
-def gates_values(config: LouverConfig) -> bool:
-    """Whether candidates scoring below T skip their V read (budget and fixed policies; a
-    certified step attends every candidate, so its bound is the index bound alone)."""
-    return config.threshold.gates_values
-
-
 # ----- the plan --------------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from ..settings import Environment
 from . import threshold as th
 from .contract import (
     EDGES, VALUE_GATE, DecodeImplementation, DecodePlan, DecodeResult, ExactPart, RequestLayout, StepStats,
-    check_inputs, gates_values,
+    check_inputs,
 )
 from .plan import plan_decode
 
@@ -140,7 +140,7 @@ class CpuDecode(DecodeImplementation):
 
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
-                self.config.sample_size, has_band_pass(self.config))
+                self.config.sample_size, self.config.threshold.a_posteriori)
 
     def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
         """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
@@ -148,7 +148,7 @@ class CpuDecode(DecodeImplementation):
 
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
-            band = (len(plan.page_ids), plan.page_size) if has_band_pass(self.config) else None
+            band = (len(plan.page_ids), plan.page_size) if self.config.threshold.a_posteriori else None
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
                             self.config.sample_size, band=band)
             return _step_plan(self.ops, plan, chunks, part, dim)
@@ -190,22 +190,18 @@ GUIDED_SHARE = 2
 
 def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig):
     """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index."""
-    policy, t_static = config.threshold, th.static_threshold_value(config)
+    policy = config.threshold
+    t_static = policy.static_threshold
     meta = store.tensors
     return ops.LayerStep(
         k_cache=k_cache, v_cache=v_cache, lo=meta["lo"], scale=meta["scale"], radius=meta["radius"],
         codes=meta["codes"], sigma=float(sigma), budget=policy.kernel_budget(),
-        t_fixed=0.0 if t_static is None else t_static, value_gate=gates_values(config), gate_rel=VALUE_GATE.rel,
+        t_fixed=0.0 if t_static is None else t_static, value_gate=policy.gates_values, gate_rel=VALUE_GATE.rel,
         bits=store.config.grid_bits, page_size=store.page_size,
         fallback_fraction=float(config.dense_fallback_fraction),
         eps_budget=policy.kernel_eps_budget(th.BUDGET_SAFETY), rounding=th.HIST_ROUNDING,
         one_pass=policy.one_pass, a_posteriori=policy.a_posteriori, estimate_share=policy.estimate_share,
         **EDGES.kernel_args())
-
-
-def has_band_pass(config: LouverConfig) -> bool:
-    """Whether a step of ``config`` runs the a-posteriori rule (its plan side then holds band buffers)."""
-    return config.threshold.a_posteriori
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor, plan: DecodePlan,

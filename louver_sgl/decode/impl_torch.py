@@ -20,7 +20,7 @@ from ..index.numerics import norm_up, score_slack
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .contract import (
-    DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs, gates_values,
+    DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs,
 )
 from .filter import FilterResult, a_posteriori_filter, a_posteriori_second, run_filter
 from .plan import plan_decode
@@ -201,7 +201,7 @@ def _value_gate(cand: _Candidates, filt, ref, z_dense, z_lb, sigma, config, batc
     z_final = torch.maximum(z_lb, z_dense + _candidate_mass(cand, ref, sigma, batch, gate=None))
     below = cand.scores < th.gate_threshold(filt.threshold).view(-1)[flat]
     gated = _candidate_mass(cand, ref, sigma, batch, gate=below, upper=True)
-    allowed = torch.full_like(z_final, gates_values(config), dtype=torch.bool)
+    allowed = torch.full_like(z_final, config.threshold.gates_values, dtype=torch.bool)
     attend = ~(below & allowed.view(-1)[flat])
     dropped = filt.dropped + gated * allowed
     return _Gate(attend, dropped / z_final)

@@ -28,7 +28,7 @@ from ..index.store import PageIndexStore
 from . import threshold as th
 from .contract import (
     BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, DecodeResult, HeadShapes,
-    RequestLayout, StepStats, gates_values,
+    RequestLayout, StepStats,
 )
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
@@ -117,7 +117,7 @@ class GpuWorkspace:
             fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
             max_pages=max_pages,
         )
-        if _a_posteriori(config):
+        if config.threshold.a_posteriori:
             ws.band = BandBuffers.like(ws)
         return ws
 
@@ -135,7 +135,7 @@ class GpuWorkspace:
     def fits(self, shapes: HeadShapes, config: LouverConfig) -> bool:
         return (self.ref.shape[1] == shapes.num_q_heads and self.m.shape[1] == shapes.num_kv_heads
                 and self.o.shape[-1] == shapes.head_dim_v and self.sample.shape[-1] == config.sample_size
-                and (self.band is not None) == _a_posteriori(config))
+                and (self.band is not None) == config.threshold.a_posteriori)
 
 
 @dataclass
@@ -267,7 +267,7 @@ def _attend_options(config: LouverConfig, launch: TritonLaunch, keep) -> dict:
     """The keyword arguments of ``grid_decode.attend`` that come from the config and launch."""
     layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
     return dict(layout=layout, min_sparse=config.min_sparse_tokens, bits=config.grid_bits,
-                gate=gates_values(config), gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
+                gate=config.threshold.gates_values, gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
 
 
 def dense_fallback_pass(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
@@ -299,10 +299,6 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
         z = _estimated_z(ws, sigma, config) if ws.band is not None else ws.z_lb
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, z, ws.threshold, ws.certificate, sigma,
                                  policy.kernel_eps_budget(BUDGET_SAFETY), HIST_ROUNDING, h_kv, EDGES, launch)
-
-
-def _a_posteriori(config: LouverConfig) -> bool:
-    return config.threshold.a_posteriori
 
 
 def _estimated_z(ws: GpuWorkspace, sigma: float, config: LouverConfig) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import threshold as th
-from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout, gates_values
+from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout
 from .impl_triton import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
@@ -116,7 +116,7 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     _flags(ws, lists, config, h_kv)
     z_union = ws.band.z_union if ws.band is not None else None
     stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
-                            ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, gates_values(config), VALUE_GATE.rel,
+                            ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, config.threshold.gates_values, VALUE_GATE.rel,
                             kern._kv_dtype(k_cache), launch, attended=keep, z_union=z_union)
     if ws.band is not None:  # the band's union candidates count towards the fallback decision
         a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep, skip=ws.fallback)

@@ -84,15 +84,10 @@ def gate_threshold(t: torch.Tensor) -> torch.Tensor:
     return VALUE_GATE.threshold(t)
 
 
-def static_threshold_value(config: LouverConfig) -> float | None:
-    """T for the policies that need no data (fixed, dense); None otherwise."""
-    return config.threshold.static_threshold
-
-
 def static_threshold(config: LouverConfig, batch: int, heads: int) -> torch.Tensor | None:
-    """``static_threshold_value`` for every (request, head) ``[B, H_q]`` fp32; None if the
-    policy's T needs data."""
-    value = static_threshold_value(config)
+    """``config.threshold.static_threshold`` (dense, fixed) for every (request, head) ``[B, H_q]``
+    fp32; None if the policy's T needs data."""
+    value = config.threshold.static_threshold
     return None if value is None else torch.full((batch, heads), value)
 
 
