@@ -140,9 +140,15 @@ class LouverConfig:
         """The threshold policy of this config as one object (what every step asks, not the strings)."""
         return ThresholdPolicy.of(self)
 
+    @property
+    def grid_codes(self) -> bool:
+        """Whether pages carry grid codes (the grid family): the codes the compiled CPU and
+        Triton kernels read. The one test of the family outside validation."""
+        return self.family == "grid"
+
     def subspace_width(self, head_dim: int) -> int:
         """Channels per subspace for ``head_dim``; raises if the split is not even."""
-        if self.family == "grid":
+        if self.grid_codes:
             return 1
         if head_dim % self.n_subspaces:
             raise ValueError(

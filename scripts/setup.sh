@@ -42,6 +42,12 @@ STAMP="$VENV/.louver-setup-done"
 # what the environment was installed from: the requirement files' and the project file's contents
 WANT=$(cat requirements/* pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  # torch 2.14.1 is a CUDA build: with its nvidia-* libraries a fresh environment takes ~7.5 GB.
+  # Say so before pip fails half-way with "No space left on device".
+  FREE_KB=$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')
+  if [ -n "$FREE_KB" ] && [ "$FREE_KB" -lt $((8 * 1024 * 1024)) ]; then
+    echo "setup: warning: $((FREE_KB / 1024)) MiB free where $VENV lies; a fresh environment needs about 7.5 GiB" >&2
+  fi
   "$PIP" install -q --upgrade pip
   # torch first, exactly the version SGLang 0.5.23 pins.
   "$PIP" install -q -c requirements/constraints-cpu.txt torch torchvision

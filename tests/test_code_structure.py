@@ -110,13 +110,14 @@ def test_the_runtime_package_imports_no_tooling():
     assert not {k: v for k, v in wrong.items() if v}
 
 
-POLICY_FIELDS = {"policy", "certified_passes", "certified_rule"}
-# the config validates its own fields; the policy object is the one reader of them
+POLICY_FIELDS = {"policy", "certified_passes", "certified_rule", "family"}
+# the config validates its own fields and answers for the family (``grid_codes``); the policy
+# object is the one reader of the policy fields
 POLICY_READERS = {ROOT / "louver_sgl" / "config.py", ROOT / "louver_sgl" / "policy.py"}
 
 
 def _policy_comparisons(tree: ast.AST) -> list[int]:
-    """Lines comparing a ``.policy`` / ``.certified_passes`` / ``.certified_rule`` field."""
+    """Lines comparing a ``.policy`` / ``.certified_passes`` / ``.certified_rule`` / ``.family`` field."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
@@ -127,7 +128,8 @@ def _policy_comparisons(tree: ast.AST) -> list[int]:
 
 
 def test_no_policy_string_comparison_outside_the_policy_object():
-    """Which threshold rule a step runs is asked of ``config.threshold`` (``ThresholdPolicy``)."""
+    """Which threshold rule a step runs is asked of ``config.threshold`` (``ThresholdPolicy``), and
+    whether pages carry grid codes of ``config.grid_codes``."""
     wrong = []
     for folder in (PACKAGES["louver_sgl"], PACKAGES["louver_tuning"], PACKAGES["louver_kernels"]):
         for path in folder.rglob("*.py"):
@@ -138,4 +140,5 @@ def test_no_policy_string_comparison_outside_the_policy_object():
 
 def test_the_policy_check_sees_a_comparison():
     assert _policy_comparisons(ast.parse("if config.policy == 'budget': pass\nx = cfg.certified_passes != 2")) == [1, 2]
+    assert _policy_comparisons(ast.parse("ok = store.config.family != 'grid'")) == [1]
     assert _policy_comparisons(ast.parse("if config.threshold.budget_rule: pass")) == []

@@ -39,6 +39,23 @@ def test_window_counts_paths_and_sums_sparse_steps_only(monkeypatch):
     assert not tel.pending
 
 
+def test_device_counts_sum_what_the_host_counts_sum():
+    """The CUDA path's device-side sums (graph-capturable ops) equal ``Counts.add``, short and
+    fallback rows included, and a drain zeroes them."""
+    host, device = Counts(), telemetry.DeviceCounts("cpu")
+    steps = [_stats(seed) for seed in range(5)] + [_stats(7, num_indexed=(0, 320))]
+    for stats in steps:
+        host.add(stats)
+        device.add(stats)
+    device.add_pages_built(torch.tensor(3))
+    drained, built = device.drain()
+    assert drained.sparse_steps == host.sparse_steps > 0 and drained.dense_short_steps == host.dense_short_steps == 1
+    assert drained.dense_fallback_steps == host.dense_fallback_steps > 0 and built == 3
+    for name in ("indexed_keys", "attended_keys", "indexed_pages", "pages_skipped", "mass_bound_max"):
+        assert getattr(drained, name) == getattr(host, name), name
+    assert device.drain() == (Counts(), 0)
+
+
 def test_a_window_without_sparse_steps_says_so():
     """Short requests only (no indexed page): no fraction of 0 that would read as perfect sparsity."""
     counts = Counts()

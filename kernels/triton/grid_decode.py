@@ -30,7 +30,7 @@ from .grid_bounds import (
 from .launch import TritonLaunch
 
 # The request layout, the threshold edges and the value gate's margin are the caller's data
-# (``louver_sgl.decode.contract``), passed to every kernel as constexprs (``layout_args``,
+# (``louver_sgl.decode.contract``), passed to every kernel as constexprs (``RequestLayout.constexprs``,
 # ``edge_args``) rather than written here a second time.
 HIST_TILE = tl.constexpr(512)  # histogram bins one tile holds: edge count + 2 must fit
 
@@ -391,11 +391,6 @@ def _kv_dtype(k_cache: torch.Tensor):
     return _DTYPES[k_cache.dtype]
 
 
-def layout_args(page_size: int, sink_pages: int, recent_pages: int) -> dict:
-    """The request layout's constexprs of the kernels."""
-    return dict(P=page_size, SINK=sink_pages, RECENT=recent_pages)
-
-
 def edge_args(edges, with_margin: bool = False) -> dict:
     """The threshold edges' constexprs (``edges``: a ``contract.ThresholdEdges``)."""
     if edges.count + 2 > HIST_TILE.value:
@@ -419,7 +414,7 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
             seq_lens: ``[B]`` int32/int64 tokens per request (>= 1).
         ref: ``[B, H_q]`` fp32 out; z_lb: ``[B, H_q]`` fp64 out; sample: ``[B, H_q, M]`` fp32 out
             (scores of the evenly spaced sample, −inf padded; M = sample size).
-        layout: ``layout_args`` of the request layout; min_sparse: its ``min_sparse_tokens``.
+        layout: ``RequestLayout.constexprs`` of the request layout; min_sparse: its ``min_sparse_tokens``.
         budget_threshold: optional ``[B, H_q]`` fp32 out: the budget policy's T for fraction
             ``budget`` (the max(1, floor(f·count))-th largest sample score).
         hist, habs: optional ``[B, H_q, W]`` fp64 histograms to zero for ``certified_hist``.

@@ -94,7 +94,7 @@ def uses_int8_token_bounds(impl: str) -> bool:
 def _auto(config: LouverConfig, device: torch.device) -> str:
     if device.type == "cuda":
         return "triton"
-    if config.family == "grid" and _unavailable("cpu", device) is None and _honours("cpu", config, device):
+    if config.grid_codes and _unavailable("cpu", device) is None and _honours("cpu", config, device):
         return "cpu"
     return "torch"
 

@@ -44,6 +44,11 @@ class RequestLayout:
     def of(cls, config: LouverConfig) -> "RequestLayout":
         return cls(config.page_size, config.sink_pages, config.recent_pages, config.min_sparse_tokens)
 
+    def constexprs(self) -> dict:
+        """The layout as the Triton kernels' constexprs (``P``, ``SINK``, ``RECENT``; the
+        ``min_sparse_tokens`` test is a runtime argument)."""
+        return dict(P=self.page_size, SINK=self.sink_pages, RECENT=self.recent_pages)
+
     def split(self, num_tokens: int) -> tuple[range, range, range]:
         """(sink pages, indexed pages, recent pages) of one request as page-index ranges."""
         full = num_tokens // self.page_size

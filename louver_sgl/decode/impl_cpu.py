@@ -97,7 +97,7 @@ class CpuDecode(DecodeImplementation):
 
     @classmethod
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
-        if config.family != "grid":
+        if not config.grid_codes:
             cls.reject("family", config.family, "the compiled kernels read grid codes; use impl='torch'")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
@@ -127,7 +127,7 @@ class CpuDecode(DecodeImplementation):
     def _layer(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float) -> "CompiledLayer":
         """The layer side of a layer's first step (its inputs checked here; later steps only by the kernel)."""
         check_inputs(q, k_cache, v_cache, store, self.config)
-        if store.config.family != "grid":
+        if not store.config.grid_codes:
             raise ValueError("the 'cpu' decode implementation reads grid-family stores")
         if plan.page_size != self.config.page_size:
             raise ValueError(f"plan is for page size {plan.page_size}, the step for {self.config.page_size}")

@@ -183,7 +183,7 @@ class TritonDecode(DecodeImplementation):
 
     @classmethod
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
-        if config.family != "grid":
+        if not config.grid_codes:
             cls.reject("family", config.family, "the Triton kernels read grid codes")
         if config.threshold.one_pass and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
@@ -265,7 +265,7 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
 
 def _attend_options(config: LouverConfig, launch: TritonLaunch, keep) -> dict:
     """The keyword arguments of ``grid_decode.attend`` that come from the config and launch."""
-    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    layout = RequestLayout.of(config).constexprs()
     return dict(layout=layout, min_sparse=config.min_sparse_tokens, bits=config.grid_bits,
                 gate=config.threshold.gates_values, gate_rel=VALUE_GATE.rel, launch=launch, attended=keep)
 
@@ -283,7 +283,7 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     """ws.ref, ws.z_lb, the sample and ws.threshold (T per head under the config's policy; for
     the certified policy also ws.certificate) of a planned batch."""
     h_kv = k_cache.shape[1]
-    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    layout = RequestLayout.of(config).constexprs()
     lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     policy = config.threshold
     certified = policy.certified
@@ -407,7 +407,7 @@ def attended_masks(keep: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Ten
 
 
 def check_run(q, k_cache, v_cache, plan: TritonPlan, store, config: LouverConfig) -> None:
-    if store.config.family != "grid":
+    if not store.config.grid_codes:
         raise ValueError("the 'triton' decode implementation reads grid-family stores")
     if store.code_layout != "token":
         raise ValueError("the GPU decode kernels read token-layout codes; make the store with code_layout='token'")

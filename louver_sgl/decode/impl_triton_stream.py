@@ -102,7 +102,7 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
                  launch, out, keep) -> None:
     """The launches of one streaming step (module docstring)."""
     h_kv = k_cache.shape[1]
-    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    layout = RequestLayout.of(config).constexprs()
     filter_args = (q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, lists.as_kernel_args(),
                    ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens, config.grid_bits, launch)
     if config.threshold.one_pass:
@@ -139,7 +139,7 @@ def _one_pass_thresholds(q, k_cache, ws: GpuWorkspace, lists: SurvivorLists, sto
     whose check fails take the histogram rule (the histogram and the filter again, launched for
     every request but doing work only for the flagged ones: graph-safe, no host read)."""
     h_kv = k_cache.shape[1]
-    layout = kern.layout_args(config.page_size, config.sink_pages, config.recent_pages)
+    layout = RequestLayout.of(config).constexprs()
     lens, table = ws.seq_lens, ws.page_table
     eps_budget = config.eps * BUDGET_SAFETY
     kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, config.min_sparse_tokens,

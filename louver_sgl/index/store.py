@@ -87,7 +87,7 @@ class PageIndexStore:
         """
         if page_ids.numel() == 0:
             return
-        if self.config.family == "grid" and k_cache.is_cuda:
+        if self.config.grid_codes and k_cache.is_cuda:
             from louver_kernels.triton.grid_build import grid_build
 
             if self.code_layout != "token":
@@ -113,7 +113,7 @@ class PageIndexStore:
 
     def _build(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         cfg = self.config
-        if cfg.family == "grid":
+        if cfg.grid_codes:
             return grid.build_grid(keys, cfg.grid_bits, self.kv_dtype)
         return clustered.build_clustered(
             keys, cfg.n_subspaces, cfg.cluster_size, self.kv_dtype, cfg.residual_norms
@@ -122,7 +122,7 @@ class PageIndexStore:
     def page_bounds(self, q: torch.Tensor, page_ids: torch.Tensor) -> PageBounds:
         """Bounds of pages ``page_ids`` ``[n]`` for query rows ``q`` ``[n, H_kv, G, D]`` fp32."""
         t = self.tensors
-        if self.config.family == "grid":
+        if self.config.grid_codes:
             w, offset, pb = grid.grid_query_terms(
                 q, t["lo"][page_ids], t["scale"][page_ids], t["radius"][page_ids],
                 self.config.grid_bits,
@@ -135,7 +135,7 @@ class PageIndexStore:
     def token_bounds(self, bounds: PageBounds, page_ids: torch.Tensor) -> torch.Tensor:
         """Token upper bounds ``[n, P, H_kv, G]`` fp32 for the pages of ``bounds``."""
         codes = self.page_codes(page_ids)
-        if self.config.family == "grid":
+        if self.config.grid_codes:
             w, offset = bounds.terms
             return grid.grid_token_bounds(codes, w, offset, self.config.grid_bits)
         dots, q_norm, radius, slack = bounds.terms
@@ -164,12 +164,12 @@ CODE_LAYOUTS = ("token", "block16")
 
 def _code_bytes(cfg: LouverConfig, dim: int) -> int:
     """Bytes of codes per token and KV head."""
-    return dim * cfg.grid_bits // 8 if cfg.family == "grid" else cfg.n_subspaces
+    return dim * cfg.grid_bits // 8 if cfg.grid_codes else cfg.n_subspaces
 
 
 def _code_layout(cfg: LouverConfig, code_bytes: int, on_cpu: bool, asked: str | None) -> str:
     """The codes' layout: ``asked``, checked, or the default (see ``PageIndexStore``)."""
-    fits = cfg.family == "grid" and cfg.page_size % 16 == 0 and code_bytes % 4 == 0
+    fits = cfg.grid_codes and cfg.page_size % 16 == 0 and code_bytes % 4 == 0
     if asked is None:
         return "block16" if fits and on_cpu else "token"
     if asked not in CODE_LAYOUTS:
@@ -197,7 +197,7 @@ def _allocate(
 ) -> dict[str, torch.Tensor]:
     # huge_zeros: on CPU a step reads a page's codes at a random place in these buffers (TLB misses)
     slots = pages * cfg.page_size
-    if cfg.family == "grid":
+    if cfg.grid_codes:
         per_page = (pages, heads, dim)
         nbytes = dim * cfg.grid_bits // 8
         shape = (slots // 16, heads, nbytes // 4, 16, 4) if code_layout == "block16" else (slots, heads, nbytes)

@@ -8,6 +8,11 @@ the graphs' largest batch), the page a decode step completes is built by a fixed
 Nothing reads a device value on the host, so the same calls run eagerly and under capture.
 Batches outside the graphs (eager forwards, larger batches) plan into a second wrapper whose
 workspace grows as needed, so the graphs' buffers never move.
+
+Telemetry follows the same rule: each step's statistics and the pages it builds are summed on
+the device (``DeviceCounts``) and read on the host only when the telemetry is read, at the start
+of a decode forward (an eager one, or a graph replay) every ``interval`` forwards or with a
+statistics file. The index's built-page mask is kept by the same device ops.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ import math
 
 import torch
 
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
 from louver_kernels.triton.grid_build import grid_build
 from louver_kernels.triton.launch import TritonLaunch
 
 from ..config import LouverConfig
-from ..decode import HeadShapes, LouverDecode
+from ..decode import DecodeResult, HeadShapes, LouverDecode
 from ..index.store import PageIndexStore
+from .decode_path import DecodeForward, DecodePath, ServingState
+from .telemetry import DeviceCounts
 
 
 def cuda_launch(profile) -> TritonLaunch:
@@ -33,12 +42,18 @@ def cuda_launch(profile) -> TritonLaunch:
     return TritonLaunch.from_dict({k: v for k, v in profile.launch.items() if k in known})
 
 
-class CudaDecodePath:
-    """Graph-safe metadata, page builds and decode steps of the louver backend on CUDA."""
+class CudaDecodePath(DecodePath):
+    """Graph-safe metadata, page builds and decode steps of the louver backend on CUDA.
+
+    ``state`` (the backend's pools, index and telemetry) is needed by the serving methods
+    (``prepare``, ``run_layer``, ``report``), not by the batch-level ones the tests drive.
+    """
+
+    graph_capturable = True
 
     def __init__(self, config: LouverConfig, launch: TritonLaunch, max_context: int, shapes: HeadShapes,
-                 device, impl: str = "triton") -> None:
-        if config.family != "grid":
+                 device, impl: str = "triton", state: ServingState | None = None) -> None:
+        if not config.grid_codes:
             raise ValueError("the CUDA decode path runs the grid family")
         self.config, self.launch, self.shapes, self.impl = config, launch, shapes, impl
         self.page_size = config.page_size
@@ -48,6 +63,66 @@ class CudaDecodePath:
         self.graph: LouverDecode | None = None
         self.active = self.eager
         self.build_ids: torch.Tensor | None = None
+        self.state = state
+        self.counts = DeviceCounts(self.device)
+        self.captured = False  # graphs were captured since the last count (their warm-up runs counted)
+        if state is not None:
+            state.telemetry.collect = self._collect
+
+    # ----- the serving interface (DecodePath) -----------------------------------------------------
+
+    def prepare(self, forward_batch, in_graph: bool = False) -> DecodeForward:
+        """Plan a decode forward; an eager one also ends the previous forward's accounting."""
+        if not in_graph:
+            self.report()
+        self.plan_batch(self.state.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                        forward_batch.seq_lens, in_graph)
+        return DecodeForward(forward_batch, forward_batch.seq_lens)
+
+    def replayed(self, in_capture: bool) -> None:
+        """The host side of a decode graph's capture (``in_capture``) or replay: a replay counts
+        as a decode forward; the counts of capture warm-ups are dropped."""
+        if in_capture:
+            self.captured = True
+            return
+        self.report()
+
+    def run_layer(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
+        """KV write, build of the pages this step completes, Triton step, device-side counts.
+
+        No host reads, so the whole forward can be captured.
+        """
+        state, layer_id = self.state, layer.layer_id
+        h_q, dim = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, h_q, dim)
+        out = torch.empty((q3.shape[0], h_q, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        store = state.index.store(layer_id)
+        k_buffer, v_buffer = state.key_buffer(layer_id), state.value_buffer(layer_id)
+        if save_kv_cache and k is not None and v is not None:
+            state.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            done = self.build_completed(store, k_buffer, forward_batch.out_cache_loc, forward_batch.seq_lens)
+            page = torch.div(forward_batch.out_cache_loc.long(), self.page_size, rounding_mode="floor")
+            state.index.built[layer_id][page] = done  # a written page is built iff this step completed it
+            if layer_id == state.first_layer:
+                self.counts.add_pages_built(done.sum())
+        self.counts.add(self.decode(q3, k_buffer, v_buffer, store, layer.scaling, out, stats=True).stats)
+        return out.view(-1, h_q * layer.v_head_dim)
+
+    def report(self) -> None:
+        if self.captured:  # capture's warm-up forwards ran on placeholder batches
+            self.counts.drain()
+            self.captured = False
+        if self.state is not None:
+            self.state.telemetry.end_decode_forward()
+
+    def _collect(self) -> None:
+        """The device counts into the telemetry's window (``Telemetry.collect``)."""
+        counts, built = self.counts.drain()
+        telemetry = self.state.telemetry
+        telemetry.window.merge(counts)
+        telemetry.pages_built += built
+
+    # ----- batch-level steps ---------------------------------------------------------------------
 
     def init_graph_state(self, max_bs: int) -> None:
         """The graph wrapper for batches up to ``max_bs`` (its workspace allocated here, once)."""
@@ -56,8 +131,8 @@ class CudaDecodePath:
                                       shapes=self.shapes, max_batch=max_bs, max_pages=self.max_pages)
             self.build_ids = torch.full((max_bs,), -1, dtype=torch.int64, device=self.device)
 
-    def prepare(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                in_graph: bool) -> int:
+    def plan_batch(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   in_graph: bool) -> int:
         """Plan a decode batch (static-shape device ops) into the graph wrapper (``in_graph``) or
         the eager one.
 
@@ -76,10 +151,11 @@ class CudaDecodePath:
         return bs
 
     def build_completed(self, store: PageIndexStore, k_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
-                        seq_lens: torch.Tensor) -> None:
+                        seq_lens: torch.Tensor) -> torch.Tensor:
         """Build the page each request completed in this step (its last slot was just written).
 
         out_cache_loc ``[bs]`` slot written per request; seq_lens ``[bs]`` lengths including it.
+        Returns ``[bs]`` bool: which requests completed their page.
         """
         bs = seq_lens.shape[0]
         if self.active is self.graph:  # the graphs' own buffer (its address is captured)
@@ -94,8 +170,10 @@ class CudaDecodePath:
         t = store.tensors
         grid_build(k_buffer, ids, t["lo"], t["scale"], t["radius"], t["codes"], self.page_size,
                    self.config.grid_bits, self.launch)
+        return done
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, store: PageIndexStore,
-               sigma: float, out: torch.Tensor) -> torch.Tensor:
-        """One louver step for the prepared batch: q ``[bs, H_q, D]`` -> ``out`` ``[bs, H_q, D_v]``."""
-        return self.active.run(q, k_buffer, v_buffer, store, sigma, out=out).out
+               sigma: float, out: torch.Tensor, stats: bool = False) -> DecodeResult:
+        """One louver step for the prepared batch: q ``[bs, H_q, D]`` -> ``out`` ``[bs, H_q, D_v]``
+        (and the step's ``StepStats``, device tensors, with ``stats``)."""
+        return self.active.run(q, k_buffer, v_buffer, store, sigma, out=out, stats=stats)

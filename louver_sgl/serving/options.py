@@ -84,15 +84,6 @@ def profile_values(profile: Profile) -> dict[str, Any]:
     return {**profile.config, **{k: v for k, v in profile.launch.items() if k not in kernel_keys}}
 
 
-def option_table() -> list[tuple[str, str, Any]]:
-    """(environment variable, option, default) for every option, for docs and --help text."""
-    rows = []
-    for cls in (LouverConfig, ServingOptions):
-        for field in dataclasses.fields(cls):
-            rows.append((ENV_PREFIX + field.name.upper(), field.name, field.default))
-    return rows
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())

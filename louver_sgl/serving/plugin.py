@@ -70,7 +70,7 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     device = device_type(view)
     config = resolve_options(device, shapes)[0] if shapes else load_options()[0]
     check_louver_compatible(view, model_config)
-    if device == "cuda" and config.family != "grid":
+    if device == "cuda" and not config.grid_codes:
         raise ValueError("louver: the clustered family has no CUDA kernels; use LOUVER_FAMILY=grid on GPUs")
     if device != "cuda":  # the CUDA path is graph-safe; the CPU path is not
         _disable_cuda_graphs(server_args, view)

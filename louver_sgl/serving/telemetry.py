@@ -84,6 +84,50 @@ class Counts:
         }
 
 
+COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(Counts))
+
+
+class DeviceCounts:
+    """``Counts`` summed on the device by static-shape ops, for decode steps inside CUDA graphs:
+    nothing is read on the host until ``drain``. Process totals only (no per-request accounts: a
+    replayed graph does not know its batch's request ids), plus the index pages built.
+
+    values: fp64 ``[len(COUNT_FIELDS) + 1]``, the Counts fields in order, then pages built.
+    """
+
+    def __init__(self, device) -> None:
+        self.values = torch.zeros(len(COUNT_FIELDS) + 1, dtype=torch.float64, device=device)
+
+    def add(self, stats) -> None:
+        """One layer's ``StepStats`` (the same sums as ``Counts.add``, by device ops)."""
+        heads = stats.candidates.shape[1]
+        short = stats.num_indexed == 0
+        sparse = (~short & ~stats.dense_fallback).double()
+        sums = torch.stack([
+            sparse.sum(), short.double().sum(), (stats.dense_fallback & ~short).double().sum(),
+            (stats.num_indexed.double() * sparse).sum() * heads,
+            (stats.candidates.double() * sparse[:, None]).sum(),
+            (stats.num_pages.double() * sparse).sum() * heads,
+            (stats.pages_skipped.double() * sparse[:, None]).sum(),
+        ])
+        self.values[:7] += sums
+        # mass bounds are >= 0, so a step with no sparse request adds a 0 that changes no max
+        bound = (stats.mass_bound.double() * sparse[:, None]).amax()
+        self.values[7:8] = torch.maximum(self.values[7:8], bound.reshape(1))
+
+    def add_pages_built(self, count: torch.Tensor) -> None:
+        self.values[8:9] += count.double().reshape(1)
+
+    def drain(self) -> tuple[Counts, int]:
+        """(the counts, pages built) since the last drain, and zeroed (one host read)."""
+        values = self.values.tolist()
+        self.values.zero_()
+        kinds = {f.name: f.type for f in dataclasses.fields(Counts)}
+        counts = Counts(**{name: (int(v) if kinds[name] in (int, "int") else v)
+                           for name, v in zip(COUNT_FIELDS, values)})
+        return counts, int(values[-1])
+
+
 @dataclass
 class RequestAccount:
     """One request's decode request-steps (``Counts``) and the index pages its prefill built and
@@ -121,6 +165,9 @@ class Telemetry:
     prefill_counted: OrderedDict = field(default_factory=OrderedDict)
     # () -> the index's allocation (``ServingIndex.allocated``), written to the statistics file
     index_allocated: Callable[[], dict] | None = None
+    # () -> None: counts kept elsewhere (``DeviceCounts`` of the CUDA path) into the window,
+    # called before the telemetry is read
+    collect: Callable[[], None] | None = None
     profile: str | None = None  # the startup line saying which tuned profile applied and why
     _metrics: dict | None = None
 
@@ -195,6 +242,8 @@ class Telemetry:
 
     def snapshot(self) -> dict:
         """The current window's summary and the process totals (window not reset)."""
+        if self.collect is not None:
+            self.collect()
         self._sum_pending()
         totals = Counts(**dataclasses.asdict(self.totals))
         totals.merge(self.window)

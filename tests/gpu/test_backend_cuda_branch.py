@@ -11,6 +11,7 @@ import torch
 from louver_sgl.decode.reference import reference_decode
 from louver_sgl.serving import backend as backend_module
 from louver_sgl.serving.plugin import register
+from louver_sgl.serving.telemetry import Counts
 
 register()
 
@@ -33,14 +34,15 @@ def test_cuda_branch_decode_matches_the_reference(policy, monkeypatch):
     monkeypatch.setenv("LOUVER_FAMILY", "grid")
     monkeypatch.setenv("LOUVER_DENSE_FALLBACK_FRACTION", "1.0")
     monkeypatch.setattr(backend_module.LouverAttnBackend, "_on_cuda", lambda self: True)
-    runs = []
+    runs, counted = [], Counts()
     real = CudaDecodePath.decode
 
-    def recording(self, q, k_buffer, v_buffer, store, sigma, out):
-        result = real(self, q, k_buffer, v_buffer, store, sigma, out)
+    def recording(self, q, k_buffer, v_buffer, store, sigma, out, stats=False):
+        result = real(self, q, k_buffer, v_buffer, store, sigma, out, stats)
         plan = self.active.current_plan
         runs.append((q.clone(), k_buffer, v_buffer, plan.page_table[: q.shape[0]].clone(),
-                     plan.seq_lens[: q.shape[0]].clone(), store, sigma, result.clone()))
+                     plan.seq_lens[: q.shape[0]].clone(), store, sigma, result.out.clone()))
+        counted.add(result.stats)
         return result
 
     monkeypatch.setattr(CudaDecodePath, "decode", recording)
@@ -50,7 +52,7 @@ def test_cuda_branch_decode_matches_the_reference(policy, monkeypatch):
         fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float16,
                                                     max_context_len=512, head_dim=64, hidden_size=256)
         backend = fixture.backend
-        assert backend.cuda_path is not None and backend.decode is None
+        assert isinstance(backend.path, CudaDecodePath)
         pool = backend.token_to_kv_pool
         first = backend._first_layer()
         for layer in range(first, first + int(pool.layer_num)):
@@ -58,6 +60,13 @@ def test_cuda_branch_decode_matches_the_reference(policy, monkeypatch):
             backend.index.build(layer, torch.arange(pool.get_key_buffer(layer).shape[0] // 16))
         kit.run_dense_fixture_eager(fixture)
     assert runs, "the CUDA branch did not run"
+    # the path's device-side counts, read through the telemetry, are the host sums of its steps
+    totals = backend.telemetry.snapshot()["totals"]
+    assert totals["sparse_steps"] == counted.sparse_steps > 0
+    for name in ("dense_short_steps", "dense_fallback_steps"):
+        assert totals[name] == getattr(counted, name)
+    for name in ("indexed_keys", "attended_keys", "indexed_pages", "pages_skipped", "mass_bound_max"):
+        assert totals[name] == pytest.approx(getattr(counted, name), rel=1e-12)
     for q, k, v, table, lens, store, sigma, out in runs:
         if policy == "budget":  # the same T (sample quantile) and, after the value gate, the same keys
             want, _ = reference_decode(q, k, v, table.long(), lens.long(), store, sigma)

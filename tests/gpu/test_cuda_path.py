@@ -49,7 +49,7 @@ def test_prepare_decode_and_address_stability():
     path.init_graph_state(8)
     workspace = path.graph.impl.workspace
     addresses = (workspace.page_table.data_ptr(), workspace.o.data_ptr())
-    bs = path.prepare(req_to_token, rows, lens, in_graph=True)
+    bs = path.plan_batch(req_to_token, rows, lens, in_graph=True)
     assert bs == 3 and (workspace.page_table.data_ptr(), workspace.o.data_ptr()) == addresses
     want_table = (req_to_token[rows.long(), ::P] // P)
     assert torch.equal(workspace.page_table[:3, : want_table.shape[1]].long(), want_table.long())
@@ -60,7 +60,7 @@ def test_prepare_decode_and_address_stability():
                               launch=TritonLaunch(pages_per_split=4))
     torch.testing.assert_close(out, direct, atol=0, rtol=0)
     eager = torch.empty_like(q)  # a batch outside the graphs plans into its own workspace
-    path.prepare(req_to_token, rows, lens, in_graph=False)
+    path.plan_batch(req_to_token, rows, lens, in_graph=False)
     path.decode(q, k, v, store, 0.125, eager)
     assert workspace.o.data_ptr() == addresses[1] and path.eager.impl.workspace is not workspace
     torch.testing.assert_close(eager, direct, atol=0, rtol=0)
