@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("louver_sgl.serving")
 
 
+def first_layer(pool) -> int:
+    """The first layer id the KV pool holds (a pipeline stage's pool starts past 0)."""
+    return getattr(pool, "start_layer", 0) or 0
+
+
 def indexable(layer) -> bool:
     """Whether louver's decode step serves ``layer`` (decoder self-attention without sliding
     window or logit cap, equal K and V head dims); other layers decode in the extend backend."""
@@ -77,8 +82,9 @@ class LouverAttnBackend(AttentionBackend):
     def _resolve_options(self, model_runner):
         """(config, serving options, head shapes) over the tuned profile of this device and the
         served attention shapes; the config takes the server's page size."""
-        k = self.token_to_kv_pool.get_key_buffer(self._first_layer())
-        v = self.token_to_kv_pool.get_value_buffer(self._first_layer())
+        first = first_layer(self.token_to_kv_pool)
+        k = self.token_to_kv_pool.get_key_buffer(first)
+        v = self.token_to_kv_pool.get_value_buffer(first)
         tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
         heads_q = int(model_runner.model_config.num_attention_heads) // tp_size
         shapes = Shapes(int(k.shape[2]), heads_q, int(k.shape[1]), str(k.dtype).replace("torch.", ""))
@@ -118,7 +124,7 @@ class LouverAttnBackend(AttentionBackend):
         return self.token_to_kv_pool.get_key_buffer(self._first_layer()).device.type == "cuda"
 
     def _first_layer(self) -> int:
-        return getattr(self.token_to_kv_pool, "start_layer", 0) or 0
+        return first_layer(self.token_to_kv_pool)
 
     def _pool_on_huge_pages(self) -> None:
         """Move a CPU KV pool's K/V buffers onto transparent huge pages (no-op elsewhere)."""
