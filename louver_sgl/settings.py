@@ -95,6 +95,7 @@ class Environment:
     stats_file: str | None = None
     tune_storage: str | None = None
     venv: str | None = None
+    data_home: str | None = None  # XDG_DATA_HOME (the user profile directory lies under it)
     options: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -115,7 +116,15 @@ class Environment:
         flag = values.pop("disable_cpu_kernels", "0").strip().lower()
         if flag not in ("0", "1", "", "true", "false"):
             raise ValueError(f"LOUVER_DISABLE_CPU_KERNELS={flag!r}: expected 1 or 0")
-        return cls(**values, disable_cpu_kernels=flag in ("1", "true"), options=options)
+        return cls(**values, disable_cpu_kernels=flag in ("1", "true"), data_home=environ.get("XDG_DATA_HOME") or None,
+                   options=options)
+
+    @property
+    def user_profile_dir(self) -> Path:
+        """Where ``louver-tune tune --quick`` writes this machine's profiles and the backend looks
+        for them (after ``LOUVER_PROFILE_DIR``, before the shipped ones)."""
+        base = Path(self.data_home) if self.data_home else Path.home() / ".local" / "share"
+        return base / "louver_sgl" / "profiles"
 
     @property
     def kernel_cache_dir(self) -> Path:

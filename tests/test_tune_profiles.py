@@ -9,8 +9,8 @@ import torch
 
 import louver_sgl
 from louver_sgl import LouverConfig
-from louver_sgl.profiles import (SHIPPED_DIR, Profile, ProfileError, Shapes, cpu_isa_level,
-                                 normalize_device_name, profile_key, select_profile)
+from louver_sgl.profiles import (DTYPE_DEPENDENT, SHIPPED_DIR, Profile, ProfileError, Shapes, cpu_isa_level,
+                                 derive_generic, load_generic, normalize_device_name, profile_key, select_profile)
 from louver_sgl.profiles.launch import cpu_threads
 from louver_sgl.profiles.select import profile_file_names
 from louver_sgl.serving.options import resolve_options
@@ -111,10 +111,16 @@ def test_explicit_missing_profile_raises(tmp_path):
         resolve_options("cpu", SHAPES, {"LOUVER_PROFILE": str(tmp_path / "nope.json")}, DEVICE)
 
 
+def search(tmp_path, **extra) -> dict:
+    """An environment whose profile search sees ``tmp_path`` and an empty user directory."""
+    return {"LOUVER_PROFILE_DIR": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "home"), **extra}
+
+
 def test_auto_pick_by_device_key(tmp_path):
     write(tmp_path, profile_dict())
-    config, _, selection = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE_DIR": str(tmp_path)}, DEVICE)
-    assert selection.profile is not None and "using tuned profile" in selection.message
+    config, _, selection = resolve_options("cpu", SHAPES, search(tmp_path), DEVICE)
+    assert selection.kind == "exact" and "using tuned profile" in selection.message
+    assert "tuned for this device, float16 KV" in selection.message
     assert config.page_size == 32
 
 
@@ -127,32 +133,110 @@ def test_a_profile_tuned_for_the_served_kv_dtype_is_preferred(tmp_path):
     write(tmp_path, profile_dict())
     write(tmp_path, profile_dict(config={"page_size": 128, "grid_bits": 4}, shapes=fp32_shapes),
           f"{profile_key('cpu', DEVICE)}.float32.json")
-    env = {"LOUVER_PROFILE_DIR": str(tmp_path)}
+    env = search(tmp_path)
     config32, _, selection = resolve_options("cpu", dataclasses.replace(SHAPES, kv_dtype="float32"), env, DEVICE)
     assert config32.page_size == 128 and selection.profile.path.endswith(".float32.json")
     config16, _, _ = resolve_options("cpu", SHAPES, env, DEVICE)
     assert config16.page_size == 32
 
 
+def test_another_dtype_of_this_device_keeps_its_layout_and_takes_the_generic_dtype_knobs(tmp_path):
+    """Level 2: the device's fp16 profile serves an fp32 pool with its index layout and launch;
+    where sparse beats dense and when to fall back come from the generic profile of the ISA."""
+    import dataclasses
+
+    write(tmp_path, profile_dict(config={"page_size": 32, "grid_bits": 4, "min_sparse_tokens": 65536,
+                                         "dense_fallback_fraction": 0.3}))
+    generic = load_generic("cpu", "avx512")
+    config, serving, selection = resolve_options("cpu", dataclasses.replace(SHAPES, kv_dtype="float32"),
+                                                 search(tmp_path), DEVICE)
+    assert selection.kind == "other_dtype" and "for float16 KV" in selection.message
+    assert "louver-tune tune --quick --kv-dtype float32" in selection.message
+    assert (config.page_size, config.grid_bits, serving.chunk_pages, serving.num_threads) == (32, 4, 16, 1)
+    for knob in DTYPE_DEPENDENT:
+        assert getattr(config, knob) == generic.config[knob]
+        assert f"{knob}={generic.config[knob]}" in selection.message
+
+
+def test_a_device_without_a_profile_runs_the_generic_profile_of_its_isa(tmp_path):
+    """Level 3: no profile of this device (or only one for other attention shapes) -> the generic
+    profile of the ISA, and the log line names the command that tunes one."""
+    write(tmp_path, profile_dict(shapes={"head_dim": 128, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16"}))
+    for isa in ("avx512", "avx2"):
+        device = DEVICE if isa == "avx512" else "Test CPU 9000 avx2"
+        config, serving, selection = resolve_options("cpu", SHAPES, search(tmp_path), device)
+        generic = load_generic("cpu", isa)
+        assert selection.kind == "generic" and selection.profile == generic
+        assert f"generic {isa} profile" in selection.message and "tune --quick --kv-dtype float16" in selection.message
+        assert {k: getattr(config, k) for k in generic.config} == dict(generic.config)
+        assert serving.num_threads == 0  # the machine's own thread count
+    assert "head_dim" in resolve_options("cpu", SHAPES, search(tmp_path), DEVICE)[2].message
+    _, _, selection = resolve_options("cpu", SHAPES, search(tmp_path), "Some ARM CPU aarch64")
+    assert selection.profile == load_generic("cpu", None) and "generic cpu profile" in selection.message
+
+
+def test_the_user_profile_directory_is_searched(tmp_path):
+    """``louver-tune tune --quick`` writes under $XDG_DATA_HOME/louver_sgl/profiles: found there
+    without any variable of louver's."""
+    user = tmp_path / "home" / "louver_sgl" / "profiles"
+    user.mkdir(parents=True)
+    write(user, profile_dict(config={"page_size": 64}))
+    config, _, selection = resolve_options("cpu", SHAPES, {"XDG_DATA_HOME": str(tmp_path / "home")}, DEVICE)
+    assert selection.kind == "exact" and str(user) in selection.message and config.page_size == 64
+
+
 @pytest.mark.parametrize("data", [
-    profile_dict(shapes={"head_dim": 128, "num_q_heads": 9, "num_kv_heads": 3, "kv_dtype": "float16"}),
     profile_dict(louver_version="9.9.9"),
     profile_dict(launch={"block_n": 64}),
     "not json",
 ])
-def test_auto_picked_bad_profile_falls_back_to_defaults(tmp_path, data):
+def test_auto_picked_bad_profile_falls_back_to_the_generic_one(tmp_path, data):
     write(tmp_path, data)
-    config, serving, selection = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE_DIR": str(tmp_path)}, DEVICE)
-    assert selection.profile is None and "using the built-in defaults" in selection.message
-    assert config == LouverConfig() and serving.chunk_pages == 64
+    config, serving, selection = resolve_options("cpu", SHAPES, search(tmp_path), DEVICE)
+    assert selection.kind == "generic" and "using the generic avx512 profile" in selection.message
+    assert profile_key("cpu", DEVICE) in selection.message  # the rejected file is named
+    assert config.page_size == load_generic("cpu", "avx512").config["page_size"]
 
 
-def test_unknown_device_and_disabled_profile_use_defaults(tmp_path):
+def test_disabled_profile_uses_the_plain_defaults(tmp_path):
     write(tmp_path, profile_dict())
-    sel = select_profile("cpu", SHAPES, louver_sgl.__version__, {"LOUVER_PROFILE_DIR": str(tmp_path)}, "Other CPU")
-    assert sel.profile is None and "no tuned profile for 'Other CPU'" in sel.message
-    env = {"LOUVER_PROFILE_DIR": str(tmp_path), "LOUVER_PROFILE": "none"}
-    assert select_profile("cpu", SHAPES, louver_sgl.__version__, env, DEVICE).profile is None
+    env = search(tmp_path, LOUVER_PROFILE="none")
+    selection = select_profile("cpu", SHAPES, louver_sgl.__version__, env, DEVICE)
+    assert selection.profile is None and selection.kind == "none" and "plain defaults" in selection.message
+    assert resolve_options("cpu", SHAPES, env, DEVICE)[0] == LouverConfig()
+
+
+def test_generic_rule_majority_then_gain_and_conservative_dispatch():
+    """Per knob the most common choice, a tie going to the profile that gained most; the machine's
+    thread count; the largest min_sparse_tokens and dense_fallback_fraction."""
+    def tuned(name, gain, chunk_pages, **config):
+        return Profile.from_dict(profile_dict(device_name=f"{name} avx512", config=config,
+                                              launch={"chunk_pages": chunk_pages, "num_threads": 2},
+                                              measured={"speedup_vs_defaults": gain}))
+
+    profiles = [tuned("A", 1.5, 64, page_size=64, grid_bits=8, min_sparse_tokens=1024, dense_fallback_fraction=0.5),
+                tuned("B", 3.0, 16, page_size=128, grid_bits=4, min_sparse_tokens=8192, dense_fallback_fraction=0.7),
+                tuned("C", 1.2, 32, page_size=128, grid_bits=8, min_sparse_tokens=0)]
+    generic = derive_generic(profiles, "cpu", "avx512")
+    assert generic.generic and generic.shapes is None and generic.isa == "avx512"
+    assert dict(generic.config) == {"page_size": 128, "grid_bits": 8, "min_sparse_tokens": 8192,
+                                    "dense_fallback_fraction": 0.7}
+    assert dict(generic.launch) == {"chunk_pages": 16, "num_threads": 0}  # 64, 16, 32 once each: B gained most
+    assert derive_generic(profiles, "cpu", "avx2") is None
+    assert Profile.from_dict(generic.to_dict()) == generic
+
+
+def test_shipped_generic_profiles_are_derived_from_the_shipped_tuned_ones():
+    """``louver-tune generic`` output is what ships: regenerate it after shipping a tuned profile."""
+    from louver_sgl.profiles.generic import GENERIC_DIR, generic_profiles
+
+    tuned = [Profile.load(p) for p in sorted(SHIPPED_DIR.glob("*.json"))]
+    derived = generic_profiles(tuned)
+    shipped = {p.stem: Profile.load(p) for p in GENERIC_DIR.glob("*.json")}
+    assert set(shipped) == set(derived), "run: louver-tune generic"
+    for key, profile in derived.items():
+        assert shipped[key].to_dict() == profile.to_dict(), f"{key}: run louver-tune generic"
+    assert {"cpu_avx512", "cpu_avx2", "cuda_sm90", "cpu", "cuda"} <= set(shipped)
 
 
 def test_shipped_profiles_are_valid():
@@ -163,7 +247,7 @@ def test_shipped_profiles_are_valid():
         # a device's main file (<key>.json) or one tuned for a KV dtype (<key>.<dtype>.json)
         assert path.name in profile_file_names(profile_key(profile.target, profile.device_name),
                                                profile.shapes.kv_dtype)
-        assert profile.louver_version == louver_sgl.__version__
+        assert profile.louver_version == louver_sgl.__version__ and profile.isa
 
 
 def test_shipped_cpu_profile_resolves():
@@ -171,21 +255,30 @@ def test_shipped_cpu_profile_resolves():
     path = SHIPPED_DIR / "cpu_amd_epyc_avx512.json"
     profile = Profile.load(path)
     shapes = Shapes(64, 9, 3, "float16")
-    config, serving, selection = resolve_options("cpu", shapes, {"LOUVER_PROFILE_DIR": str(SHIPPED_DIR)},
-                                                 profile.device_name)
+    config, serving, selection = resolve_options("cpu", shapes, search(SHIPPED_DIR), profile.device_name)
     assert selection.profile is not None and str(path) in selection.message
     assert {k: getattr(config, k) for k in profile.config} == dict(profile.config)
     assert {k: getattr(serving, k) for k in profile.launch} == dict(profile.launch)
     assert profile.measured["confirmation"]["winner"] == profile.measured["tuned"]["trial"]
 
 
-def test_shipped_fp32_profile_is_chosen_for_an_fp32_pool():
-    """The main command serves fp32 on CPU: the AVX2 machine's fp32 profile applies there, the
-    fp16 one to fp16 pools."""
-    for kv_dtype, name in (("float32", "cpu_amd_epyc_avx2.float32.json"), ("float16", "cpu_amd_epyc_avx2.json")):
-        _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, kv_dtype), {"LOUVER_PROFILE_DIR": str(SHIPPED_DIR)},
-                                          "AMD EPYC avx2")
-        assert selection.profile is not None and selection.message.find(name) >= 0, selection.message
+@pytest.mark.parametrize("device", ["AMD EPYC avx2", "Intel(R) Xeon(R) Processor avx512"])
+def test_shipped_fp32_profile_is_chosen_for_an_fp32_pool(device):
+    """The main command serves fp32 on CPU: on each CPU class the project runs on, a tuned fp32
+    profile applies there (not the generic one), the fp16 one to fp16 pools where there is one."""
+    key = profile_key("cpu", device)
+    for kv_dtype, name in (("float32", f"{key}.float32.json"), ("float16", f"{key}.json")):
+        if not (SHIPPED_DIR / name).is_file():
+            assert kv_dtype == "float16", f"no shipped fp32 profile for {device}"
+            continue
+        _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, kv_dtype), search(SHIPPED_DIR), device)
+        assert selection.kind == "exact" and selection.message.find(name) >= 0, selection.message
+
+
+def test_the_amd_avx512_machine_serves_fp32_with_its_fp16_profile_layout():
+    """No fp32 study has run on the AMD EPYC AVX-512 machine: an fp32 pool there takes level 2."""
+    _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, "float32"), search(SHIPPED_DIR), "AMD EPYC avx512")
+    assert selection.kind == "other_dtype" and "cpu_amd_epyc_avx512.json" in selection.message
 
 
 def test_cpu_threads_restores_the_count():

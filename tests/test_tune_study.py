@@ -182,3 +182,24 @@ def test_confirmation_re_times_candidates_and_picks_the_fastest(tmp_path):
     assert profile.measured["tuned"]["trial"] == result["winner"]
     assert profile.measured["speedup_vs_defaults"] == pytest.approx(
         timed["0"]["geomean_ms"] / timed[str(result["winner"])]["geomean_ms"])
+
+
+def test_quick_space_is_narrowed_around_its_seed_and_holds_it():
+    """The quick study's space: grid family, the seed's page size and neighbours, chunk sizes
+    within 4x, sink/recent within one, the dtype-dependent knobs fixed to the seed's."""
+    from optuna.distributions import CategoricalDistribution
+
+    from louver_tuning.quick import quick_space
+    from louver_tuning.space import contains
+
+    launch = {"chunk_pages": CategoricalDistribution([8, 16, 32, 64, 128, 256]),
+              "num_threads": CategoricalDistribution([1, 2, 3, 4])}
+    seed = {"page_size": 128, "family": "grid", "grid_bits": 4, "sink_pages": 0, "recent_pages": 4,
+            "min_sparse_tokens": 1024, "dense_fallback_fraction": 1.0, "chunk_pages": 64, "num_threads": 2}
+    space = quick_space(launch, seed)
+    choices = {k: list(d.choices) for k, d in space.distributions.items() if isinstance(d, CategoricalDistribution)}
+    assert all(contains(space.distributions[k], v) for k, v in seed.items())
+    assert choices["family"] == ["grid"] and choices["page_size"] == [64, 128]
+    assert choices["sink_pages"] == [0, 1] and choices["recent_pages"] == [3, 4]
+    assert choices["chunk_pages"] == [16, 32, 64, 128, 256] and choices["num_threads"] == [2, 4]
+    assert choices["min_sparse_tokens"] == [1024] and choices["dense_fallback_fraction"] == [1.0]

@@ -8,16 +8,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 
 from louver_sgl.profiles import Profile, ProfileError, find_profiles, profile_key
 from louver_sgl.profiles.select import profile_file_name
 from louver_sgl.settings import Environment
 
+from .quick import QUICK_CONFIRM, QUICK_RUN, QUICK_SETTINGS, nearest_seed, quick_space
 from .report import importances, results_table, write_plots
 from .storage import DEFAULT_STORAGE
 from .study import RunOptions, TuneSettings, open_study, run_tune, study_profile
 from .targets import get_target
+from .workload import parse_case
 
 DEFAULT_OUT_DIR = "louver-profiles"
 
@@ -29,13 +32,18 @@ def _study_args(parser: argparse.ArgumentParser) -> None:
 
 
 class Tune:
-    help = "run or resume a study for a target"
+    help = "run or resume a study for a target (--quick: a profile for this machine in minutes)"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        _study_args(p)
-        d = TuneSettings()
+        p.add_argument("--storage", help="RDB URL (sqlite:///f.db, postgresql://...) or journal:PATH (default "
+                                         f"{Environment.read().tune_storage or DEFAULT_STORAGE}; --quick: in memory)")
+        p.add_argument("--study-name", help="default: <device key>-<shapes>-<policy>-<space>")
+        p.add_argument("--quick", action="store_true",
+                       help="a profile in about 10 minutes: narrowed space seeded from the nearest profile, 16K "
+                            "workloads, early pruning, exported where the backend finds it (docs/tuning.md)")
+        d, q = TuneSettings(), QUICK_SETTINGS
         p.add_argument("--target", default="auto", help="auto, cpu or a registered target")
-        p.add_argument("--cases", nargs="+", default=list(d.cases), help="LENGTHxBATCH, e.g. 8192x8")
+        p.add_argument("--cases", nargs="+", help=f"LENGTHxBATCH (default {' '.join(d.cases)}; --quick {' '.join(q.cases)})")
         p.add_argument("--text", default=d.text)
         p.add_argument("--layers", type=int, nargs="+", default=list(d.layers))
         p.add_argument("--validation", nargs="+", default=list(d.validation), help="LENGTHxBATCH of the validation set")
@@ -43,31 +51,57 @@ class Tune:
         p.add_argument("--policy", default=d.policy, choices=["certified", "budget", "fixed", "dense"])
         p.add_argument("--eps", type=float, default=d.eps)
         p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["float16", "bfloat16", "float32"])
-        p.add_argument("--space", default=d.space, choices=["full", "small"])
-        p.add_argument("--repeats", type=int, default=d.repeats)
+        p.add_argument("--space", choices=["full", "small"], help="default full (--quick: its own narrowed space)")
+        p.add_argument("--repeats", type=int, help=f"timed runs per point (default {d.repeats}; --quick {q.repeats})")
         p.add_argument("--warmup", type=int, default=d.warmup)
-        r = RunOptions()
-        p.add_argument("--trials", type=int, default=r.trials, help="trials to add in this run")
-        p.add_argument("--timeout", type=float, default=None, help="seconds for this run")
+        r, qr = RunOptions(), QUICK_RUN
+        p.add_argument("--trials", type=int, help=f"trials to add in this run (default {r.trials}; --quick {qr.trials})")
+        p.add_argument("--timeout", type=float, help=f"seconds of trials in this run (default none; --quick {qr.timeout:g})")
         p.add_argument("--sampler", default=r.sampler, choices=["tpe", "random", "grid"])
         p.add_argument("--seed", type=int, default=r.seed)
-        p.add_argument("--prune-ratio", type=float, default=r.prune_ratio,
-                       help="prune a trial whose case latency exceeds this x the best trial's")
-        p.add_argument("--export", metavar="DIR", help="export the profile (and plots) into DIR afterwards")
+        p.add_argument("--prune-ratio", type=float,
+                       help=f"prune a trial whose case latency exceeds this x the best trial's (default {r.prune_ratio:g}; "
+                            f"--quick {qr.prune_ratio:g})")
+        p.add_argument("--export", metavar="DIR", help="export the profile (and plots) into DIR afterwards (--quick: "
+                                                       "the user profile directory the backend searches)")
         _report_args(p)
-        _confirm_args(p)
+        _confirm_args(p, QUICK_CONFIRM)
 
     def take_action(self, a: argparse.Namespace) -> int:
-        settings = TuneSettings(tuple(a.cases), a.text, tuple(a.layers), tuple(a.validation), a.validation_text,
-                                a.policy, a.eps, a.kv_dtype, a.space, a.repeats, a.warmup)
-        target = get_target(a.target, a.repeats, a.warmup)
+        started = time.monotonic()
+        base, run_base = (QUICK_SETTINGS, QUICK_RUN) if a.quick else (TuneSettings(), RunOptions())
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        settings = TuneSettings(tuple(pick(a.cases, base.cases)), a.text, tuple(a.layers), tuple(a.validation),
+                                a.validation_text, a.policy, a.eps, a.kv_dtype, pick(a.space, base.space),
+                                pick(a.repeats, base.repeats), a.warmup)
+        run = RunOptions(pick(a.trials, run_base.trials), pick(a.timeout, run_base.timeout), a.sampler, a.seed,
+                         pick(a.prune_ratio, run_base.prune_ratio))
+        target = get_target(a.target, settings.repeats, settings.warmup)
         print(f"target {target.name}: {target.device_name()} (profile {target.profile_key()}.json)")
-        study = run_tune(target, settings, RunOptions(a.trials, a.timeout, a.sampler, a.seed, a.prune_ratio),
-                         a.storage, a.study_name)
+        if a.quick:
+            study = _run_quick(target, settings, run, a)
+        else:
+            study = run_tune(target, settings, run, a.storage, a.study_name)
         print(results_table(study))
-        if a.export:
-            _export(study, target, Path(a.export), None, a)
+        export = a.export or (str(Environment.read().user_profile_dir) if a.quick else None)
+        if export:
+            _export(study, target, Path(export), None, a)
+        print(f"louver-tune tune: {time.monotonic() - started:.0f} s in all")
         return 0
+
+
+def _run_quick(target, settings: TuneSettings, run: RunOptions, a: argparse.Namespace):
+    """The quick study: seeded from the nearest profile, in its narrowed space (``louver_tuning.quick``)."""
+    from .study import default_trace_loader
+
+    if settings.space != "quick":
+        raise ValueError("--quick searches its own narrowed space; drop --space")
+    first = default_trace_loader(settings.text, parse_case(settings.cases[0])[0])
+    selection, seed = nearest_seed(target, settings, first["meta"])
+    print(f"quick: seeded from {selection.kind} profile: {selection.message}")
+    space = quick_space(target.launch_space(), seed)
+    return run_tune(target, settings, run, a.storage or "memory:", a.study_name, space=space,
+                    seeds=[(seed, "nearest")])
 
 
 class Show:
@@ -147,19 +181,23 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                         "shipped profiles' reports live in tuning/reports, out of the package data)")
 
 
-def _confirm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--confirm-top", type=int, default=5,
-                   help="re-time this many best trials and the defaults interleaved before exporting (0: off)")
-    p.add_argument("--confirm-rounds", type=int, default=3)
+def _confirm_args(p: argparse.ArgumentParser, quick: tuple[int, int] | None = None) -> None:
+    extra = f"; --quick {quick[0]}" if quick else ""
+    p.add_argument("--confirm-top", type=int, help="re-time this many best trials and the baseline (defaults, or "
+                                                   f"the nearest profile) interleaved before exporting (0: off; default 5{extra})")
+    p.add_argument("--confirm-rounds", type=int, help=f"(default 3{'; --quick ' + str(quick[1]) if quick else ''})")
 
 
 def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespace) -> None:
     launch_names = set(target.launch_space())
     confirmation = None
-    if a.confirm_top > 0:
+    quick = getattr(a, "quick", False)
+    top = a.confirm_top if a.confirm_top is not None else (QUICK_CONFIRM[0] if quick else 5)
+    rounds = a.confirm_rounds if a.confirm_rounds is not None else (QUICK_CONFIRM[1] if quick else 3)
+    if top > 0:
         from .confirm import confirm_best
 
-        confirmation = confirm_best(study, target, launch_names, a.confirm_top, a.confirm_rounds)
+        confirmation = confirm_best(study, target, launch_names, top, rounds)
     profile = study_profile(study, launch_names, confirmation)
     name = profile_file_name(profile_key(profile.target, profile.device_name), profile.shapes.kv_dtype)
     path = profile.write(out or out_dir / name)
@@ -168,11 +206,29 @@ def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespac
     plots = write_plots(study, stem)
     stem.with_name(stem.name + ".results.txt").write_text(results_table(study, top=20) + "\n")
     print(f"profile {path}; plots {[str(p) for p in plots]}")
-    print(json.dumps({"config": dict(profile.config), "launch": dict(profile.launch),
-                      "speedup_vs_defaults": profile.measured.get("speedup_vs_defaults")}, indent=1))
+    gains = {k: v for k, v in profile.measured.items() if k.startswith("speedup_vs_")}
+    print(json.dumps({"config": dict(profile.config), "launch": dict(profile.launch), **gains}, indent=1))
 
 
-COMMANDS = {"tune": Tune, "show": Show, "export": Export, "list": List}
+class Generic:
+    help = "derive the generic profiles (one per ISA and per target) from a directory of tuned ones"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from louver_sgl.profiles import GENERIC_DIR, SHIPPED_DIR
+
+        p.add_argument("--tuned-dir", default=str(SHIPPED_DIR), help="tuned profiles (default: the shipped ones)")
+        p.add_argument("--out-dir", default=str(GENERIC_DIR), help="where the generic profiles go (default: shipped)")
+
+    def take_action(self, a: argparse.Namespace) -> int:
+        from louver_sgl.profiles.generic import write_generic_profiles
+
+        for path in write_generic_profiles(Path(a.tuned_dir), Path(a.out_dir)):
+            prof = Profile.load(path)
+            print(f"{path}: config {dict(prof.config)} launch {dict(prof.launch)}")
+        return 0
+
+
+COMMANDS = {"tune": Tune, "show": Show, "export": Export, "list": List, "generic": Generic}
 
 
 def main(argv: list[str] | None = None) -> int:

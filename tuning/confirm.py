@@ -19,7 +19,7 @@ from tqdm import tqdm
 from louver_sgl import LouverConfig
 
 from .space import build_space
-from .study import TraceLoader, TuneSettings, default_trace_loader, make_objective
+from .study import BASELINE_ROLES, TraceLoader, TuneSettings, default_trace_loader, make_objective
 from .target import Target, TimedPoint
 
 Point = tuple[Mapping[str, Any], Mapping[str, Any]]  # (LouverConfig overrides, launch)
@@ -51,17 +51,19 @@ def time_points(target: Target, settings: TuneSettings, points: Mapping[str, Poi
 
 def confirm_best(study: optuna.Study, target: Target, launch_names: set[str], top: int = 5, rounds: int = 3,
                  loader: TraceLoader = default_trace_loader) -> dict[str, Any]:
-    """Re-time the ``top`` best complete trials and the defaults trial; the fastest wins.
+    """Re-time the ``top`` best complete trials and the baseline trial (the defaults, or the nearest
+    profile of a quick study); the fastest wins.
 
-    Returns ``{"winner": trial number, "defaults": trial number or None, "rounds", "timed": {trial: result}}``.
+    Returns ``{"winner": trial number, "defaults": the baseline's trial number or None, "rounds",
+    "timed": {trial: result}}``.
     """
     complete = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.value)
-    chosen = complete[:top] + [t for t in complete[top:] if t.user_attrs.get("role") == "defaults"]
+    chosen = complete[:top] + [t for t in complete[top:] if t.user_attrs.get("role") in BASELINE_ROLES]
     points = {str(t.number): ({k: v for k, v in t.params.items() if k not in launch_names},
                               {k: v for k, v in t.params.items() if k in launch_names}) for t in chosen}
     settings = TuneSettings(**{k: tuple(v) if isinstance(v, list) else v
                                for k, v in study.user_attrs["settings"].items()})
     timed = time_points(target, settings, points, rounds, loader)
-    defaults = next((t.number for t in chosen if t.user_attrs.get("role") == "defaults"), None)
+    defaults = next((t.number for t in chosen if t.user_attrs.get("role") in BASELINE_ROLES), None)
     winner = int(min(timed, key=lambda n: timed[n]["geomean_ms"]))
     return {"winner": winner, "defaults": defaults, "rounds": rounds, "timed": timed}

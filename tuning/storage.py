@@ -12,9 +12,12 @@ DEFAULT_STORAGE = "sqlite:///louver-tune.db"
 
 
 def open_storage(url: str | None) -> optuna.storages.BaseStorage | str:
-    """``journal:PATH`` -> a journal file storage; an RDB URL (``sqlite:///f.db``,
-    ``postgresql://...``) is passed to Optuna as is (several workers may share one)."""
+    """``journal:PATH`` -> a journal file storage; ``memory:`` -> the process's memory (gone when it
+    ends: the quick study's default); an RDB URL (``sqlite:///f.db``, ``postgresql://...``) is
+    passed to Optuna as is (several workers may share one)."""
     url = url or DEFAULT_STORAGE
+    if url == "memory:":
+        return optuna.storages.InMemoryStorage()
     if url.startswith("journal:"):
         path = Path(url[len("journal:"):])
         if not path.name:

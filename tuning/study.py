@@ -6,7 +6,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from datetime import date
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optuna
 import torch
@@ -107,8 +107,10 @@ def open_study(storage_url: str | None, study_name: str, sampler: optuna.sampler
 
 def run_tune(target: Target, settings: TuneSettings, run: RunOptions, storage_url: str | None = None,
              study_name: str | None = None, loader: TraceLoader = default_trace_loader,
-             timer: Timer | None = None, space: SearchSpace | None = None) -> optuna.Study:
-    """Create or resume the study and run ``run.trials`` more trials (defaults enqueued first)."""
+             timer: Timer | None = None, space: SearchSpace | None = None,
+             seeds: Sequence[tuple[dict[str, Any], str]] | None = None) -> optuna.Study:
+    """Create or resume the study and run ``run.trials`` more trials. A new study's first trials
+    are ``seeds`` (params, role), by default the built-in defaults (role ``defaults``)."""
     first = loader(settings.text, parse_case(settings.cases[0])[0])
     shapes = shapes_of(settings, first)
     max_context = max(parse_case(c)[0] for c in settings.cases)
@@ -120,7 +122,8 @@ def run_tune(target: Target, settings: TuneSettings, run: RunOptions, storage_ur
     study = open_study(storage_url, study_name, make_sampler(run, space), RatioPruner(run.prune_ratio))
     _check_or_record(study, target, settings, shapes)
     if not study.trials and run.sampler != "grid":
-        study.enqueue_trial(space.defaults(target.default_launch()), user_attrs={"role": "defaults"})
+        for params, role in seeds if seeds is not None else [(space.defaults(target.default_launch()), "defaults")]:
+            study.enqueue_trial(params, user_attrs={"role": role})
     objective = make_objective(target, settings, loader, timer, space)
     study.optimize(objective, n_trials=run.trials, timeout=run.timeout, catch=(ConstraintViolation,),
                    show_progress_bar=run.progress)
@@ -156,11 +159,15 @@ def _check_or_record(study: optuna.Study, target: Target, settings: TuneSettings
     study.set_user_attr("date", str(date.today()))
 
 
+BASELINE_ROLES = ("defaults", "nearest")  # a study's baseline: the plain defaults, or (quick) the nearest profile
+
+
 def best_and_defaults(study: optuna.Study) -> tuple[optuna.trial.FrozenTrial, optuna.trial.FrozenTrial | None]:
+    """The best complete trial and the baseline trial (None if it did not complete)."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         raise ValueError(f"study {study.study_name!r} has no complete trial to export")
-    defaults = next((t for t in complete if t.user_attrs.get("role") == "defaults"), None)
+    defaults = next((t for t in complete if t.user_attrs.get("role") in BASELINE_ROLES), None)
     return min(complete, key=lambda t: t.value), defaults
 
 
@@ -181,11 +188,12 @@ def study_profile(study: optuna.Study, launch_names: set[str], confirmation: dic
     shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in attrs["shapes"].items()})
     counts = {s.name.lower(): len(study.get_trials(deepcopy=False, states=(s,)))
               for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    role = defaults.user_attrs.get("role", "defaults") if defaults else "defaults"
     measured = {
         "objective": "geometric mean over cases of the decode-step latency (ms, mean over layers)",
         "tuned": _trial_summary(best),
-        "defaults": _trial_summary(defaults) if defaults else None,
-        "speedup_vs_defaults": speedup,
+        role: _trial_summary(defaults) if defaults else None,
+        f"speedup_vs_{role}": speedup,
         "confirmation": confirmation,
         "trials": counts, "study_name": study.study_name, "settings": attrs["settings"],
         "date": attrs.get("date"), "command": attrs.get("command"),

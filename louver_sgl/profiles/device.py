@@ -61,6 +61,21 @@ def device_name(target: str) -> str:
     raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
 
 
+def device_isa(target: str) -> str:
+    """The instruction set of ``target`` here: the CPU's ISA level (``avx512``, ``avx2``, ...) or the
+    CUDA device's architecture (``sm90`` for compute capability 9.0)."""
+    if target == "cpu":
+        return cpu_isa_level()
+    if target == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("target 'cuda' asked for, but torch sees no CUDA device")
+        major, minor = torch.cuda.get_device_capability(0)
+        return f"sm{major}{minor}"
+    raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
+
+
 def profile_key(target: str, raw_name: str) -> str:
     """File stem of the profile of ``raw_name``: CPU keys carry a ``cpu_`` prefix."""
     key = normalize_device_name(raw_name)

@@ -3,14 +3,17 @@
 One JSON object per device (see ``docs/tuning.md``)::
 
     {"target": "cpu" | "cuda", "device_name": raw name, "louver_version": "0.1.0",
+     "isa": "avx512" | "avx2" | "sm90" | ...,    # the instruction set it was tuned on (optional)
      "config": {LouverConfig field: value},      # index layout and dispatch, never accuracy knobs
      "launch": {launch parameter: value},         # ServingOptions fields of the target's kernels
      "shapes": {"head_dim", "num_q_heads", "num_kv_heads", "kv_dtype",
                 "context_lengths", "batch_sizes", "policy", "eps"},
      "measured": {...}}                           # defaults vs tuned latency, trials, date, command
 
-A profile is only valid for the louver version and the attention shapes (head_dim, query and KV
-heads per rank, KV dtype) it was tuned for; ``check_compatible`` says why it does not apply.
+A tuned profile is only valid for the louver version and the attention shapes (head_dim, query and
+KV heads per rank, KV dtype) it was tuned for; ``check_compatible`` says why it does not apply.
+A generic profile (``"generic": true``, no ``shapes``) is derived from the tuned ones of an ISA
+(``profiles.generic``) and applies to any shapes of its target.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from .device import TARGETS
 
 # The user's accuracy contract: a profile tunes speed, never how much attention mass may be dropped.
 ACCURACY_KNOBS = ("policy", "eps", "budget", "fixed_threshold", "value_gate")
+# Knobs whose best value moves with the KV dtype: where the sparse step starts to beat dense
+# attention, and when falling back to dense pays, depend on how fast the dense path runs in that
+# dtype (fp32 dense reads twice the bytes of fp16). The index layout and the launch of the sparse
+# kernels do not: their codes and page terms are the same whatever the dtype of the keys.
+DTYPE_DEPENDENT = ("min_sparse_tokens", "dense_fallback_fraction")
 SHAPE_KEYS = ("head_dim", "num_q_heads", "num_kv_heads", "kv_dtype")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -71,16 +79,23 @@ class Shapes:
 
 @dataclass(frozen=True)
 class Profile:
-    """A parsed, validated profile. ``config`` and ``launch`` are plain option dicts."""
+    """A parsed, validated profile. ``config`` and ``launch`` are plain option dicts.
+
+    shapes: what a tuned profile was tuned for (None for a generic one). isa: the instruction set
+    of the device it was tuned on (CPU: from ``device_name`` when not written). generic: derived
+    from the tuned profiles of ``isa`` (``profiles.generic``), for any shapes of its target.
+    """
 
     target: str
     device_name: str
     louver_version: str
     config: Mapping[str, Any]
     launch: Mapping[str, Any]
-    shapes: Shapes
+    shapes: Shapes | None
     measured: Mapping[str, Any] = field(default_factory=dict)
     path: str | None = None
+    isa: str | None = None
+    generic: bool = False
 
     def __post_init__(self) -> None:
         where = f" ({self.path})" if self.path else ""
@@ -88,35 +103,55 @@ class Profile:
             raise ProfileError(f"profile{where}: target must be one of {list(TARGETS)}, got {self.target!r}")
         if not isinstance(self.device_name, str) or not self.device_name:
             raise ProfileError(f"profile{where}: device_name must be a non-empty string")
+        if (self.shapes is None) != self.generic:
+            raise ProfileError(f"profile{where}: a tuned profile needs shapes, a generic one has none")
+        if self.isa is None and self.target == "cpu" and not self.generic:
+            object.__setattr__(self, "isa", self.device_name.split()[-1].lower())
         check_config_overrides(self.config, where)
         check_launch(self.launch, where)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("path")
-        data["shapes"]["context_lengths"] = list(self.shapes.context_lengths)
-        data["shapes"]["batch_sizes"] = list(self.shapes.batch_sizes)
+        if not self.generic:
+            data.pop("generic")
+            data["shapes"]["context_lengths"] = list(self.shapes.context_lengths)
+            data["shapes"]["batch_sizes"] = list(self.shapes.batch_sizes)
+        else:
+            data.pop("shapes")
         return data
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The KV dtype a tuned profile was tuned for (None: generic)."""
+        return None if self.shapes is None else self.shapes.kv_dtype
+
+    def describe(self) -> str:
+        """``'AMD EPYC avx512' float16`` (tuned) or ``generic avx512`` (generic), for log lines."""
+        return f"generic {self.isa or self.target}" if self.generic else f"{self.device_name!r} {self.kv_dtype}"
 
     @classmethod
     def from_dict(cls, data: Any, path: str | None = None) -> "Profile":
         where = f" ({path})" if path else ""
         if not isinstance(data, dict):
             raise ProfileError(f"profile{where}: expected a JSON object, got {type(data).__name__}")
-        required = ("target", "device_name", "louver_version", "config", "launch", "shapes")
+        generic = data.get("generic", False)
+        if not isinstance(generic, bool):
+            raise ProfileError(f"profile{where}: generic must be true or false, got {generic!r}")
+        required = ("target", "device_name", "louver_version", "config", "launch") + (() if generic else ("shapes",))
         missing = [k for k in required if k not in data]
-        unknown = sorted(set(data) - set(required) - {"measured"})
+        unknown = sorted(set(data) - set(required) - {"measured", "isa", "generic"})
         if missing or unknown:
             raise ProfileError(f"profile{where}: missing keys {missing}, unknown keys {unknown}")
-        if not isinstance(data["shapes"], dict) or not isinstance(data["config"], dict) \
-                or not isinstance(data["launch"], dict):
+        if not isinstance(data["config"], dict) or not isinstance(data["launch"], dict) \
+                or not isinstance(data.get("shapes", {}), dict):
             raise ProfileError(f"profile{where}: config, launch and shapes must be JSON objects")
-        try:
-            shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["shapes"].items()})
-        except TypeError as exc:
-            raise ProfileError(f"profile{where}: bad shapes ({exc})") from exc
+        isa = data.get("isa")
+        if isa is not None and (not isinstance(isa, str) or not isa):
+            raise ProfileError(f"profile{where}: isa must be a non-empty string, got {isa!r}")
         return cls(data["target"], data["device_name"], data["louver_version"], dict(data["config"]),
-                   dict(data["launch"]), shapes, dict(data.get("measured", {})), path)
+                   dict(data["launch"]), None if generic else _shapes(data["shapes"], where),
+                   dict(data.get("measured", {})), path, isa, generic)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -135,14 +170,31 @@ class Profile:
 
     def check_compatible(self, target: str, shapes: Shapes, version: str) -> None:
         """Raise ``ProfileError`` unless this profile was tuned for ``target``, ``shapes`` and ``version``."""
+        problems = self.version_problems(target, version)
+        if self.shapes is not None:
+            problems += self.shapes.mismatches(shapes)
+        if problems:
+            raise ProfileError(f"profile {self.path or self.device_name} does not apply: " + "; ".join(problems))
+
+    def version_problems(self, target: str, version: str) -> list[str]:
+        """Why this profile cannot serve ``target`` with louver ``version`` at all (any shapes)."""
         problems = []
         if self.target != target:
             problems.append(f"target: profile {self.target!r} != served {target!r}")
         if self.louver_version != version:
             problems.append(f"louver_version: profile {self.louver_version!r} != installed {version!r}")
-        problems += self.shapes.mismatches(shapes)
-        if problems:
-            raise ProfileError(f"profile {self.path or self.device_name} does not apply: " + "; ".join(problems))
+        return problems
+
+    def with_values(self, config: Mapping[str, Any], launch: Mapping[str, Any]) -> "Profile":
+        """This profile with some config and launch values replaced (validated again)."""
+        return dataclasses.replace(self, config={**self.config, **config}, launch={**self.launch, **launch})
+
+
+def _shapes(data: Mapping[str, Any], where: str) -> Shapes:
+    try:
+        return Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    except TypeError as exc:
+        raise ProfileError(f"profile{where}: bad shapes ({exc})") from exc
 
 
 def check_config_overrides(config: Mapping[str, Any], where: str = "") -> None:

@@ -44,28 +44,30 @@ def load_options(environ: Mapping[str, str] | None = None,
 
 
 def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | None = None,
-                    raw_device_name: str | None = None) -> tuple[LouverConfig, ServingOptions, Selection]:
-    """Options on top of the device's tuned profile (see ``louver_sgl.profiles.select``).
+                    raw_device_name: str | None = None, isa: str | None = None
+                    ) -> tuple[LouverConfig, ServingOptions, Selection]:
+    """Options on top of the nearest profile (see ``louver_sgl.profiles.select``).
 
     A profile named by ``LOUVER_PROFILE`` must apply (``ProfileError`` otherwise); an auto-picked
-    one whose values are invalid here is reported in the selection message and skipped.
+    one whose values are invalid here is named in the selection message and the next nearest applies.
     """
     from .. import __version__
 
     environ = os.environ if environ is None else environ
-    explicit_profile = bool((Environment.read(environ).profile or "").strip())
-    selection = select_profile(target, shapes, __version__, environ, raw_device_name)
-    if selection.profile is not None:
+    selection = select_profile(target, shapes, __version__, environ, raw_device_name, isa, accept=check_values)
+    if selection.profile is not None:  # an explicit or generic one was not checked by ``accept``
         try:
-            values = profile_values(selection.profile)
-            LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
-            ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
+            check_values(selection.profile)
         except (TypeError, ValueError) as exc:
-            if explicit_profile:
-                raise ProfileError(f"{PROFILE_ENV}: {exc}") from exc
-            selection = Selection(None, f"louver: profile {selection.profile.path} rejected ({exc}); "
-                                        "using the built-in defaults")
+            raise ProfileError(f"{PROFILE_ENV}: {exc} ({selection.message})") from exc
     return (*load_options(environ, selection.profile), selection)
+
+
+def check_values(profile: Profile) -> None:
+    """Raise ``ValueError`` unless ``profile``'s values make a valid config and serving options."""
+    values = profile_values(profile)
+    LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
+    ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
 
 
 def profile_values(profile: Profile) -> dict[str, Any]:
