@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,9 +87,27 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s")
 
 
-def generate(url: str, text: str, max_new_tokens: int = 24, timeout: float = 600.0) -> dict:
-    """Greedy ``/generate`` request; returns the JSON response (``text``, ``output_ids``, ``meta_info``)."""
-    body = json.dumps({"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}})
-    req = urllib.request.Request(url + "/generate", data=body.encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+def generate(url: str, text: str, max_new_tokens: int = 24, timeout: float = 600.0, **extra) -> dict:
+    """Greedy ``/generate`` request; returns the JSON response (``text``, ``output_ids``, ``meta_info``).
+    ``extra``: more request fields (``rid``) and ``custom_params`` (into ``sampling_params``)."""
+    sampling = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    if "custom_params" in extra:
+        sampling["custom_params"] = extra.pop("custom_params")
+    status, body = post_json(url, "/generate", {"text": text, "sampling_params": sampling, **extra}, timeout)
+    if status != 200:
+        raise urllib.error.HTTPError(url + "/generate", status, json.dumps(body), None, None)
+    return body
+
+
+def post_json(url: str, path: str, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON to ``url + path``; returns (HTTP status, the parsed answer), errors included."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(text)
+        except json.JSONDecodeError:
+            return exc.code, {"error": text}

@@ -39,6 +39,9 @@ class ServingOptions:
     cuda_decode: the decode implementation on CUDA devices: ``triton`` (filter and attention fused
         per split) or ``triton_stream`` (a filter pass that compacts survivors, then attention over
         them); a launch parameter of CUDA profiles, searched by ``louver-tune``.
+    sleep_on_idle: on CPU, turn on SGLang's ``--sleep-on-idle`` (its scheduler then waits on its
+        sockets instead of polling them: an idle server otherwise keeps a core busy; a paired run
+        measured no cost to TTFT or TPOT, docs/benchmarks.md "An idle server").
 
     Launch parameters of tuned profiles are fields of this class.
     """
@@ -50,6 +53,7 @@ class ServingOptions:
     step_timing: bool = False
     extend_backend: str = "auto"
     cuda_decode: str = "triton"
+    sleep_on_idle: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("chunk_pages", 1), ("num_threads", 0), ("log_interval", 0)):
@@ -57,7 +61,7 @@ class ServingOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a positive" if low else "a non-negative"
                 raise ValueError(f"{name} must be {kind} int, got {value!r}")
-        for name in ("huge_pages", "step_timing"):
+        for name in ("huge_pages", "step_timing", "sleep_on_idle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():

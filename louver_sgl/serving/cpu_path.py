@@ -5,11 +5,17 @@ layer's step on the plan of the forward; pages a decode token completes are buil
 and full pages read but not built (written outside the backend, loaded back from the host tier)
 are built before the step reads them. Every step's ``StepStats`` goes to the telemetry with the
 batch's request ids, so the statistics file keeps per-request accounts.
+
+Requests that chose their own accuracy (``request_policy``) share the forward with the others:
+the batch is split into one group per distinct policy, each planned and run by a ``LouverDecode``
+of its own config over the group's rows, and the outputs land in the batch's rows.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,9 +27,23 @@ from ..decode import HeadShapes, LouverDecode
 from ..profiles.launch import cpu_threads
 from ..settings import ServingOptions
 from .decode_path import DecodeForward, DecodePath, ServingState
+from .request_policy import describe, requests_of
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+MAX_POLICY_DECODES = 16  # decode objects kept for per-request configs (least recently used dropped)
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """The requests of a decode forward that run one config: ``rows`` ``[b]`` int64 of the batch
+    (None: every row), their ``LouverDecode`` (planned on those rows) and request ids."""
+
+    rows: torch.Tensor | None
+    decode: LouverDecode
+    rids: list | None
 
 
 class CpuDecodePath(DecodePath):
@@ -31,18 +51,59 @@ class CpuDecodePath(DecodePath):
 
     def __init__(self, config: LouverConfig, serving: ServingOptions, shapes: HeadShapes,
                  state: ServingState) -> None:
-        self.serving, self.state = serving, state
-        self.decode = LouverDecode(config, "cpu", launch={"chunk_pages": serving.chunk_pages}, shapes=shapes)
+        self.serving, self.state, self.shapes = serving, state, shapes
+        self.decode = self._make_decode(config)
+        self.policy_decodes: OrderedDict[LouverConfig, LouverDecode] = OrderedDict()
         self.forward: DecodeForward | None = None
+        self.groups: tuple[DecodeGroup, ...] = ()
+
+    def _make_decode(self, config: LouverConfig) -> LouverDecode:
+        return LouverDecode(config, "cpu", launch={"chunk_pages": self.serving.chunk_pages}, shapes=self.shapes)
 
     def prepare(self, forward_batch: ForwardBatch, in_graph: bool = False) -> DecodeForward:
         if in_graph:
             raise NotImplementedError("the CPU decode path is not graph-capturable")
         page_table, seq_lens = self._page_table(forward_batch)
+        groups = self._groups(forward_batch)
         with cpu_threads(self.serving.num_threads):  # the plan side is made for the step's thread count
-            self.decode.plan(page_table, seq_lens)
+            for group in groups:
+                rows = group.rows
+                group.decode.plan(page_table if rows is None else page_table[rows],
+                                  seq_lens if rows is None else seq_lens[rows])
+        self.groups = groups
         self.forward = DecodeForward(forward_batch, seq_lens, page_table)
         return self.forward
+
+    def _groups(self, forward_batch: ForwardBatch) -> tuple[DecodeGroup, ...]:
+        """One group per distinct policy of the batch's requests (one, of the server's config, when
+        no request chose its own); each request's policy is noted in its account."""
+        rids = forward_batch.rids if forward_batch.rids and len(forward_batch.rids) == len(forward_batch.seq_lens) \
+            else None
+        policies = requests_of(forward_batch)
+        telemetry, server = self.state.telemetry, self.decode.config
+        if policies is None:
+            telemetry.note_policies(rids, describe(server, own=False))
+            return (DecodeGroup(None, self.decode, rids),)
+        rows_of: dict[LouverConfig, list[int]] = {}
+        for row, policy in enumerate(policies):
+            rows_of.setdefault(server if policy is None else policy.apply(server), []).append(row)
+        groups = []
+        for config, rows in rows_of.items():
+            group_rids = [rids[r] for r in rows] if rids else None
+            telemetry.note_policies(group_rids, describe(config, own=config != server))
+            groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long), self._decode_for(config), group_rids))
+        telemetry.mixed_policy_forwards += len(groups) > 1
+        return tuple(groups)
+
+    def _decode_for(self, config: LouverConfig) -> LouverDecode:
+        """The decode object of ``config`` (the server's, or one kept per request config)."""
+        if config == self.decode.config:
+            return self.decode
+        decode = self.policy_decodes.pop(config, None) or self._make_decode(config)
+        self.policy_decodes[config] = decode
+        while len(self.policy_decodes) > MAX_POLICY_DECODES:
+            self.policy_decodes.popitem(last=False)
+        return decode
 
     def run_layer(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         start = time.perf_counter()
@@ -57,12 +118,17 @@ class CpuDecodePath(DecodePath):
             forward = self.prepare(forward_batch)  # a caller that skipped init_forward_metadata
         state.index.build_unbuilt(layer_id, forward.page_table, forward.seq_lens)
         step_start = time.perf_counter()
+        q3, out3 = q.view(-1, h_q, dim), out.view(-1, h_q, dim)
+        caches = (state.key_buffer(layer_id), state.value_buffer(layer_id), state.index.store(layer_id))
         with cpu_threads(self.serving.num_threads):
-            stats = self.decode.run(
-                q.view(-1, h_q, dim), state.key_buffer(layer_id), state.value_buffer(layer_id),
-                state.index.store(layer_id), layer.scaling, out=out.view(-1, h_q, dim), stats=True).stats
+            for group in self.groups:
+                rows = group.rows
+                result = group.decode.run(q3 if rows is None else q3[rows], *caches, layer.scaling,
+                                          out=out3 if rows is None else None, stats=True)
+                if rows is not None:
+                    out3[rows] = result.out
+                state.telemetry.record_step(result.stats, group.rids)
         step_end = time.perf_counter()
-        state.telemetry.record_step(stats, forward_batch.rids)
         if self.serving.step_timing:
             self._time_step(start, step_start, step_end)
         if layer_id == state.first_layer:

@@ -36,10 +36,11 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(_create_backend)
     register_resolution_hook("handle_attention_backend_compatibility")(_resolve_louver_args)
-    from . import host_tier, pool_budget
+    from . import host_tier, pool_budget, request_policy
 
     pool_budget.install()  # the index's bytes per token in SGLang's KV-pool sizing
     host_tier.install()  # pages loaded back from the host tier are rebuilt before they are read
+    request_policy.install()  # accuracy chosen per request (custom_params["louver"])
     _registered = True
 
 
@@ -59,7 +60,10 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolved_view
 
     view = resolved_view(server_args)
+    from . import request_policy
+
     if not _uses_louver(view):
+        request_policy.set_served("off")
         return
     from .options import load_options, resolve_options
 
@@ -68,12 +72,17 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     # Invalid LOUVER_* options (and an explicit LOUVER_PROFILE that does not apply) fail here, at
     # startup; the profile also decides the server page size.
     device = device_type(view)
-    config = resolve_options(device, shapes)[0] if shapes else load_options()[0]
+    request_policy.set_served("cuda" if device == "cuda" else "cpu")
+    config, serving = resolve_options(device, shapes)[:2] if shapes else load_options()
     check_louver_compatible(view, model_config)
     if device == "cuda" and not config.grid_codes:
         raise ValueError("louver: the clustered family has no CUDA kernels; use LOUVER_FAMILY=grid on GPUs")
     if device != "cuda":  # the CUDA path is graph-safe; the CPU path is not
         _disable_cuda_graphs(server_args, view)
+        if serving.sleep_on_idle and not getattr(view, "sleep_on_idle", True):
+            logger.info("louver: --sleep-on-idle on (an idle CPU scheduler otherwise keeps a core busy; "
+                        "LOUVER_SLEEP_ON_IDLE=0 keeps SGLang's default)")
+            declare_resolution(server_args, "louver", sleep_on_idle=True)
     if view.page_size != config.page_size:
         logger.info("louver: setting page_size=%d (index pages are KV pages; was %s)", config.page_size, view.page_size)
         declare_resolution(server_args, "louver", page_size=config.page_size)

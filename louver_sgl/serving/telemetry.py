@@ -136,10 +136,11 @@ class RequestAccount:
     steps: Counts = field(default_factory=Counts)
     pages_built: int = 0
     pages_reused: int = 0
+    policy: dict | None = None  # the threshold policy its decode ran (``request_policy.describe``)
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self.steps), **self.steps.summary(), "pages_built": self.pages_built,
-                "pages_reused": self.pages_reused}
+                "pages_reused": self.pages_reused, "policy": self.policy}
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Telemetry:
     pages_built: int = 0
     pages_reused: int = 0
     pages_rebuilt_on_read: int = 0
+    mixed_policy_forwards: int = 0  # decode forwards whose requests ran more than one policy
     timing: dict = field(default_factory=lambda: {"timed_steps": 0, "step_seconds": 0.0, "backend_seconds": 0.0})
     totals: Counts = field(default_factory=Counts)
     window: Counts = field(default_factory=Counts)
@@ -214,6 +216,12 @@ class Telemetry:
         self.requests.move_to_end(rid)
         return self.requests[rid]
 
+    def note_policies(self, rids: list[str] | None, policy: dict) -> None:
+        """The policy the requests ``rids`` decode with (kept in their accounts: statistics file only)."""
+        if self.stats_file and rids:
+            for rid in rids:
+                self.account(rid).policy = policy
+
     def count_prefill(self, rid: str | None, built: int, prefix: int) -> None:
         """Index pages one extend of a request built, and those of its ``prefix`` pages it reused
         (one layer's count). Under chunked prefill a later chunk's prefix holds the pages the
@@ -260,7 +268,8 @@ class Telemetry:
         snap = self.snapshot()
         data = {**snap["totals"], "page_size": self.page_size, "decode_forwards": self.decode_forwards,
                 "pages_built": self.pages_built,
-                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read, **self.timing,
+                "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read,
+                "mixed_policy_forwards": self.mixed_policy_forwards, **self.timing,
                 "requests": {rid: acc.as_dict() for rid, acc in self.requests.items()}}
         if self.index_allocated is not None:
             data["index_allocated"] = self.index_allocated()

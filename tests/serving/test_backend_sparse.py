@@ -37,9 +37,10 @@ class _Case(unittest.TestCase):
                                           ("fixed", {"LOUVER_FIXED_THRESHOLD": "0.5"})])
 def test_backend_decode_matches_reference(policy, extra, monkeypatch):
     # no dense fallback: the compiled path's candidate superset may cross the fallback fraction
-    # where the reference's does not, and this test compares candidate sets
+    # where the reference's does not, and this test compares candidate sets; no profile: the plain
+    # config (8-bit codes, every request sparse) whatever this machine's nearest profile is
     env = {"LOUVER_POLICY": policy, "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
-           "LOUVER_DENSE_FALLBACK_FRACTION": "1.0", **extra}
+           "LOUVER_DENSE_FALLBACK_FRACTION": "1.0", "LOUVER_PROFILE": "none", **extra}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     calls = []
@@ -90,3 +91,49 @@ def _assert_own_set(q, k_cache, v_cache, page_table, seq_lens, sigma, out, stats
         values = v_cache[slots].double().repeat_interleave(groups, 1)
         scale = float(values.abs().max())
         torch.testing.assert_close(out[b].double(), torch.einsum("hl,lhd->hd", p, values), atol=2e-5 * scale, rtol=0)
+
+
+def test_requests_with_their_own_policy_share_the_forward_in_groups(monkeypatch):
+    """Three requests of one decode forward, one asking for dense attention, one for certified
+    eps = 1e-4, one taking the server's budget 0.2: each group is planned and run on its own rows,
+    the dense row equals the kit's dense reference, the server-policy row equals the same forward
+    run without per-request policies, and the certified group's bound is under its own eps."""
+    from louver_sgl.serving import cpu_path
+    from louver_sgl.serving.request_policy import parse
+
+    for key, value in {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.2", "LOUVER_SINK_PAGES": "0",
+                       "LOUVER_RECENT_PAGES": "0", "LOUVER_PROFILE": "none"}.items():
+        monkeypatch.setenv(key, value)
+    case = kit.DenseAttentionCase(name="request_policies", backend="louver", forward_mode=ForwardMode.DECODE,
+                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(300, 250, 280))
+
+    def run(policies):
+        monkeypatch.setattr(cpu_path, "requests_of", lambda forward_batch: policies)
+        calls = []
+        real = api.LouverDecode.run
+
+        def recording(self, q, *args, **kwargs):
+            result = real(self, q, *args, **kwargs)
+            calls.append((self.config.threshold, q.shape[0], result.stats))
+            return result
+
+        monkeypatch.setattr(api.LouverDecode, "run", recording)
+        with torch.no_grad():
+            fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
+                                                        max_context_len=512)
+            out = kit.run_dense_fixture_eager(fixture)
+            want = kit.expected_dense_fixture_output(fixture)
+        monkeypatch.setattr(api.LouverDecode, "run", real)
+        return out.reshape(3, -1), want.reshape(3, -1), calls
+
+    grouped, dense_want, calls = run([parse({"louver": {"policy": "dense"}}), None,
+                                      parse({"louver": {"policy": "certified", "eps": 1e-4}})])
+    alone, _, _ = run(None)
+    kinds = {(policy.kind, rows) for policy, rows, _ in calls}
+    assert kinds == {("dense", 1), ("budget", 1), ("certified", 1)}, kinds
+    torch.testing.assert_close(grouped[0].float(), dense_want[0].float(), atol=2e-5, rtol=1e-5)
+    # the same step on its own rows: equal up to fp32 summation order (the batch's chunking differs)
+    torch.testing.assert_close(grouped[1], alone[1], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(alone[0], dense_want[0]), "the server's budget policy should differ from dense here"
+    certified = [stats for policy, _, stats in calls if policy.certified]
+    assert certified and all(float(s.mass_bound.max()) < 1e-4 for s in certified)
