@@ -17,7 +17,7 @@ def results_table(study: optuna.Study, top: int = 10) -> str:
     lines = [f"study {study.study_name}: {len(study.trials)} trials"]
     head = f"{'trial':>5} {'role':8} {'ms (geo)':>9} " + " ".join(f"{c:>9}" for c in cases) + "  params"
     lines.append(head)
-    shown = complete[:top] + [t for t in complete[top:] if t.user_attrs.get("role") == "defaults"]
+    shown = complete[:top] + [t for t in complete[top:] if t.user_attrs.get("role") in ("defaults", "nearest")]
     for t in shown:
         per_case = " ".join(f"{t.user_attrs.get('ms:' + c, float('nan')):9.2f}" for c in cases)
         lines.append(f"{t.number:5d} {t.user_attrs.get('role', ''):8} {t.value:9.2f} {per_case}  {t.params}")
