@@ -52,28 +52,78 @@ def sglang_server(model: str | Path, backend: str, port: int, env: dict[str, str
 
     ``max_total_tokens`` None: no ``--max-total-tokens``, so SGLang sizes the KV pool from
     ``--mem-fraction-static``."""
-    pool = ["--max-total-tokens", str(max_total_tokens)] if max_total_tokens is not None else []
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
-           "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
-           *pool, "--skip-server-warmup", *(extra or [])]
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(model, backend, port, env, extra, log_path, max_total_tokens)
+    server.start(timeout)
     try:
-        _wait_ready(url, proc, timeout)
-        yield url
+        yield server.url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if log_path:
+        server.stop()
+
+
+class ServerProcess:
+    """One ``python -m sglang.launch_server`` on 127.0.0.1:``port`` (CPU) that can be started,
+    stopped, killed and started again on the same port. ``cpus``: the cores it may run on
+    (``taskset -c`` list, e.g. ``"1"``; its OpenMP threads are set to their count)."""
+
+    def __init__(self, model: str | Path, backend: str, port: int, env: dict[str, str] | None = None,
+                 extra: list[str] | None = None, log_path: Path | None = None,
+                 max_total_tokens: int | None = 40000, cpus: str | None = None) -> None:
+        pool = ["--max-total-tokens", str(max_total_tokens)] if max_total_tokens is not None else []
+        self.command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
+                        "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
+                        *pool, "--skip-server-warmup", *(extra or [])]
+        self.env = {**os.environ, **(env or {})}
+        if cpus is not None:
+            self.command = ["taskset", "-c", cpus, *self.command]
+            self.env["OMP_NUM_THREADS"] = str(_count_cpus(cpus))
+        self.port, self.log_path, self.proc, self.cpus = port, log_path, None, cpus
+        self.url = f"http://127.0.0.1:{port}"
+
+    def launch(self) -> None:
+        """Start the process (append to the log: a restart keeps the earlier run's lines)."""
+        log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if self.log_path:
             log.close()
 
+    def start(self, timeout: float = 300.0) -> None:
+        """Launch and wait until ``/health`` answers."""
+        self.launch()
+        try:
+            wait_ready(self.url, self.proc, timeout)
+        except BaseException:
+            self.stop()
+            raise
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started (a crash, as far as clients can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 30 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _count_cpus(cpus: str) -> int:
+    """Cores in a ``taskset -c`` list (``"0"``, ``"0-3"``, ``"0,2"``)."""
+    count = 0
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:

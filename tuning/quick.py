@@ -17,8 +17,6 @@ What makes it quick, against the full study (``docs/tuning.md``, "--quick"):
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -42,8 +40,7 @@ def nearest_seed(target, settings: TuneSettings, trace_meta: Mapping[str, Any]) 
     space (a generic profile's ``num_threads`` 0 becomes this machine's count, as the server runs it)."""
     shapes = Shapes(int(trace_meta["head_dim"]), int(trace_meta["num_heads"]), int(trace_meta["num_kv_heads"]),
                     settings.kv_dtype)
-    environ = {k: v for k, v in os.environ.items() if k != "LOUVER_PROFILE"}  # the automatic choice
-    selection = select_profile(target.name, shapes, louver_sgl.__version__, environ)
+    selection = select_profile(target.name, shapes, louver_sgl.__version__)
     base = LouverConfig()
     profile = selection.profile
     config = dict(profile.config) if profile else {}
@@ -75,8 +72,3 @@ def quick_space(launch_space: Mapping, seed: Mapping[str, Any]) -> SearchSpace:
             values = sorted({max(values), seed[name]})
         choices[name] = values if contains(dist, seed[name]) else values + [seed[name]]
     return space.restrict(choices)
-
-
-def quick_settings(kv_dtype: str, **changes: Any) -> TuneSettings:
-    """The quick study's settings for ``kv_dtype`` (``changes``: explicit command-line values)."""
-    return replace(QUICK_SETTINGS, kv_dtype=kv_dtype, **changes)

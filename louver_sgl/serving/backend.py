@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,15 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger("louver_sgl.serving")
+
+
+def rank_stats_file(path: str | None, tp_rank: int) -> str | None:
+    """The statistics file of a tensor-parallel rank: rank 0 writes ``path`` itself (what clients
+    read), rank r > 0 ``<stem>.tp<r><suffix>`` beside it (each rank counts its own KV heads)."""
+    if path is None or tp_rank == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.tp{tp_rank}{p.suffix}"))
 
 
 def first_layer(pool) -> int:
@@ -103,7 +113,8 @@ class LouverAttnBackend(AttentionBackend):
         server_args = getattr(model_runner, "server_args", None)
         interval = self.serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)),
-                              Environment.read().stats_file, self.page_size)
+                              rank_stats_file(Environment.read().stats_file, int(getattr(model_runner, "tp_rank", 0) or 0)),
+                              self.page_size)
         telemetry.index_allocated = self.index.allocated
         telemetry.profile = self.selection.message
         return telemetry

@@ -90,7 +90,9 @@ class CpuDecodePath(DecodePath):
         groups = []
         for config, rows in rows_of.items():
             group_rids = [rids[r] for r in rows] if rids else None
-            telemetry.note_policies(group_rids, describe(config, own=config != server))
+            for own in (False, True):  # a request that asked for the server's own values says so
+                mine = [rids[r] for r in rows if (policies[r] is not None) == own] if rids else None
+                telemetry.note_policies(mine, describe(config, own=own))
             groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long), self._decode_for(config), group_rids))
         telemetry.mixed_policy_forwards += len(groups) > 1
         return tuple(groups)

@@ -1,7 +1,7 @@
 """The README's main command, ``bash scripts/run.sh``, as a user runs it, with a short demo and
 ``DEMO_EXIT=1`` (stop after the demo): the server starts on the shipped fp32 CPU profile, the
-demo client's long request takes louver's sparse path, and the second request over the same
-document reads the first one's index pages from the radix cache."""
+demo client's long request takes louver's sparse path, the second request over the same
+document reads the first one's index pages from the radix cache, and the idle scheduler sleeps."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_main_command_demo_takes_the_sparse_path(tmp_path):
     assert rc == 0, text[-4000:]
     assert f"louver: using profile {SHIPPED_FP32}" in text, "the shipped fp32 profile was not the one applied"
     assert "louver demo done (DEMO_EXIT=1)" in text and "decode request-steps" in text
+    assert "louver: --sleep-on-idle on" in text, "the CPU server should not spin while idle"
     demo = json.loads(report.read_text())
     first, second = demo["requests"]
     assert first["prompt_tokens"] > 2048  # above the profile's min_sparse_tokens: the sparse path applies

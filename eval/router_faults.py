@@ -1,0 +1,136 @@
+"""A worker killed under load behind sglang-router, then restarted: what clients see.
+
+Two louver workers behind the router (fast failover: ``router.FAST_FAILOVER``), clients sending
+greedy requests in a loop. Every prompt's answer is first taken from a worker directly (the
+reference). Then, in three phases: the load with both workers; worker 1 killed with SIGKILL (a
+crash: in-flight requests on it lose their connection); worker 1 restarted on the same port,
+rejoining when the router's health check sees it. Each request is recorded with its phase, HTTP
+status, latency, and whether its text equals the reference. Nothing may hang (every request has a
+client timeout far above its normal latency), an error must come back as a status and a message,
+and an answer must equal the reference. What the restart loses is the worker's radix cache: its
+statistics file starts from zero, and the prefixes it serves again are built again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .router import FAST_FAILOVER, healthy_count, louver_workers, sglang_router, start_all, wait_healthy
+from .server import free_port, post_json
+
+
+@dataclass
+class Outcome:
+    phase: str
+    prompt: int
+    status: int
+    seconds: float
+    correct: bool | None  # text equals the reference (None: no answer)
+    error: str | None
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """clients: concurrent client loops; before/during/after: seconds of load with both workers, after
+    the kill, and after the restarted worker is healthy again; timeout: a request's client timeout."""
+
+    clients: int = 2
+    before: float = 30.0
+    during: float = 30.0
+    after: float = 40.0
+    max_new_tokens: int = 12
+    timeout: float = 300.0
+
+
+def _ask(url: str, prompt: str, plan: FaultPlan) -> tuple[int, dict]:
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": plan.max_new_tokens}}
+    try:
+        return post_json(url, "/generate", body, timeout=plan.timeout)
+    except OSError as exc:  # connection refused or reset: the client still gets an answer
+        return 0, {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase: dict, stop: threading.Event,
+          out: list[Outcome], seed: int) -> None:
+    """One client: prompts in a rotating order until ``stop``; each request under the phase current
+    when it was sent."""
+    i = seed
+    while not stop.is_set():
+        k, sent_in = i % len(prompts), phase["name"]
+        start = time.monotonic()
+        status, body = _ask(url, prompts[k], plan)
+        seconds = time.monotonic() - start
+        text = body.get("text") if status == 200 else None
+        error = None if status == 200 else json.dumps(body)[:300]
+        out.append(Outcome(sent_in, k, status, seconds, None if text is None else text == refs[k], error))
+        i += 1
+
+
+def fault_run(model, prompts: list[str], log_dir: Path, plan: FaultPlan = FaultPlan(),
+              worker_extra: list[str] | None = None, worker_env: dict | None = None,
+              max_total_tokens: int = 65536) -> dict:
+    """Run the three phases (module docstring); returns every outcome and the workers' statistics."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    workers = louver_workers(model, 2, log_dir, worker_env, worker_extra, max_total_tokens)
+    start_all(workers)
+    try:
+        refs = [_ask(workers[0].url, p, plan)[1]["text"] for p in prompts]
+        with sglang_router([w.url for w in workers], "cache_aware", free_port(), log_dir / "router.log",
+                           FAST_FAILOVER) as url:
+            return _phases(url, workers, prompts, refs, plan, log_dir)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path) -> dict:
+    outcomes: list[Outcome] = []
+    phase, stop = {"name": "before"}, threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(plan.clients) as pool:
+        loops = [pool.submit(_load, url, prompts, refs, plan, phase, stop, outcomes, 3 * c) for c in range(plan.clients)]
+        time.sleep(plan.before)
+        killed_stats = json.loads((log_dir / "stats-1.json").read_text())
+        phase["name"] = "killed"
+        killed_at = time.monotonic()
+        workers[1].kill()
+        time.sleep(plan.during)
+        phase["name"] = "restarting"
+        workers[1].start()
+        wait_healthy(url, 2, 120.0)
+        rejoined_after = time.monotonic() - killed_at
+        phase["name"] = "after"
+        time.sleep(plan.after)
+        stop.set()
+        for loop in loops:
+            loop.result()
+    restarted = json.loads((log_dir / "stats-1.json").read_text())
+    return {"outcomes": [asdict(o) for o in outcomes], "rejoined_seconds_after_kill": rejoined_after,
+            "healthy_workers_at_end": healthy_count(url),
+            "worker1_before_kill": _pages(killed_stats), "worker1_after_restart": _pages(restarted),
+            "worker0": _pages(json.loads((log_dir / "stats-0.json").read_text()))}
+
+
+def _pages(stats: dict) -> dict:
+    return {"index_pages_built": stats["pages_built"], "index_pages_reused": stats["pages_reused"],
+            "requests": len(stats.get("requests", {})), "decode_forwards": stats["decode_forwards"]}
+
+
+def summary(run: dict) -> dict:
+    """Per phase: requests, answered (200), errors by status, wrong answers, slowest request."""
+    phases = {}
+    for o in run["outcomes"]:
+        p = phases.setdefault(o["phase"], {"requests": 0, "answered": 0, "wrong": 0, "errors": {},
+                                           "slowest_seconds": 0.0})
+        p["requests"] += 1
+        p["slowest_seconds"] = max(p["slowest_seconds"], o["seconds"])
+        if o["status"] == 200:
+            p["answered"] += 1
+            p["wrong"] += o["correct"] is False
+        else:
+            p["errors"][str(o["status"])] = p["errors"].get(str(o["status"]), 0) + 1
+    return phases
