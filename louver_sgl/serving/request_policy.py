@@ -13,14 +13,16 @@ Two hooks carry them:
 * ``SamplingParams.verify`` (the tokenizer side, before the request reaches the scheduler): a
   malformed ``louver`` entry raises ``ValueError`` naming the field and its allowed range, which
   SGLang's HTTP server answers with status 400;
-* ``ForwardBatch.init_new`` (the scheduler side): a batch in which some request asked for its
-  own accuracy gets ``louver_requests``, one ``RequestPolicy`` or None per request, which the
-  CPU decode path groups by (``cpu_path``).
+* ``ForwardBatch.init_new`` (the scheduler side): the policies of the batch's requests that
+  asked for their own are kept by request id (SGLang's runners copy the forward batch into
+  static buffers, so nothing attached to it survives), and the CPU decode path looks its
+  batch's request ids up (``requests_of``) and groups by them (``cpu_path``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -28,7 +30,10 @@ from ..config import LouverConfig
 from ..profiles.format import ACCURACY_KNOBS
 
 KEY = "louver"
-ATTRIBUTE = "louver_requests"  # set on a ForwardBatch whose requests carry their own accuracy
+# request id -> policy of the scheduled requests that chose their own (most recently scheduled
+# last; each forward refreshes its requests, so only finished ones age out past the limit)
+_CHOSEN: OrderedDict[str, RequestPolicy] = OrderedDict()
+TRACKED_LIMIT = 4096
 VERIFY_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 # What this process serves, set at server-argument resolution: "cpu" or "cuda" (louver serves
@@ -95,17 +100,27 @@ def verified(original, self, *args, **kwargs):
 
 
 def with_requests(original, cls, batch, *args, **kwargs):
-    """The ``ForwardBatch.init_new`` hook: the batch's per-request policies (only where one asked)."""
-    forward_batch = original(cls, batch, *args, **kwargs)
-    reqs = getattr(batch, "reqs", None) or []
-    policies = [parse(getattr(getattr(r, "sampling_params", None), "custom_params", None)) for r in reqs]
-    setattr(forward_batch, ATTRIBUTE, policies if any(p is not None for p in policies) else None)
-    return forward_batch
+    """The ``ForwardBatch.init_new`` hook: keep the policies of the batch's requests by id."""
+    for req in getattr(batch, "reqs", None) or []:
+        policy = parse(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+        if policy is None:
+            _CHOSEN.pop(req.rid, None)
+        else:
+            _CHOSEN[req.rid] = policy
+            _CHOSEN.move_to_end(req.rid)
+    while len(_CHOSEN) > TRACKED_LIMIT:
+        _CHOSEN.popitem(last=False)
+    return original(cls, batch, *args, **kwargs)
 
 
 def requests_of(forward_batch) -> list[RequestPolicy | None] | None:
-    """The per-request policies of a forward batch (None: every request takes the server's)."""
-    return getattr(forward_batch, ATTRIBUTE, None)
+    """The per-request policies of a forward batch by its request ids (None: every request
+    takes the server's)."""
+    rids = getattr(forward_batch, "rids", None)
+    if not _CHOSEN or not rids:
+        return None
+    policies = [_CHOSEN.get(rid) for rid in rids]
+    return policies if any(p is not None for p in policies) else None
 
 
 def describe(config: LouverConfig, own: bool) -> dict[str, Any]:
