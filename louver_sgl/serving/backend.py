@@ -49,6 +49,21 @@ def rank_stats_file(path: str | None, tp_rank: int) -> str | None:
     return str(p.with_name(f"{p.stem}.tp{tp_rank}{p.suffix}"))
 
 
+def tensor_parallel(model_runner) -> tuple[int, int]:
+    """(rank, size) of this process in its tensor-parallel group: SGLang 0.5.23 keeps them in its
+    runtime context (``get_parallel()``), not on the model runner; (0, 1) where no group exists
+    (a model runner built outside a server, as the attention kit does)."""
+    if hasattr(model_runner, "tp_size"):  # older SGLang, and stand-ins
+        return int(getattr(model_runner, "tp_rank", 0) or 0), int(model_runner.tp_size or 1)
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        parallel = get_parallel()
+        return int(parallel.tp_rank), int(parallel.tp_size)
+    except RuntimeError:  # "parallel name 'tp_rank' has not been written in this process"
+        return 0, 1
+
+
 def first_layer(pool) -> int:
     """The first layer id the KV pool holds (a pipeline stage's pool starts past 0)."""
     return getattr(pool, "start_layer", 0) or 0
@@ -95,8 +110,7 @@ class LouverAttnBackend(AttentionBackend):
         first = first_layer(self.token_to_kv_pool)
         k = self.token_to_kv_pool.get_key_buffer(first)
         v = self.token_to_kv_pool.get_value_buffer(first)
-        tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
-        heads_q = int(model_runner.model_config.num_attention_heads) // tp_size
+        heads_q = int(model_runner.model_config.num_attention_heads) // tensor_parallel(model_runner)[1]
         shapes = Shapes(int(k.shape[2]), heads_q, int(k.shape[1]), str(k.dtype).replace("torch.", ""))
         target = "cpu" if k.device.type == "cpu" else "cuda"
         config, serving, selection = resolve_options(target, shapes)
@@ -113,7 +127,7 @@ class LouverAttnBackend(AttentionBackend):
         server_args = getattr(model_runner, "server_args", None)
         interval = self.serving.log_interval or int(getattr(server_args, "decode_log_interval", 40) or 40)
         telemetry = Telemetry(interval, bool(getattr(server_args, "enable_metrics", False)),
-                              rank_stats_file(Environment.read().stats_file, int(getattr(model_runner, "tp_rank", 0) or 0)),
+                              rank_stats_file(Environment.read().stats_file, tensor_parallel(model_runner)[0]),
                               self.page_size)
         telemetry.index_allocated = self.index.allocated
         telemetry.profile = self.selection.message

@@ -36,11 +36,12 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(_create_backend)
     register_resolution_hook("handle_attention_backend_compatibility")(_resolve_louver_args)
-    from . import host_tier, pool_budget, request_policy
+    from . import cpu_parallel, host_tier, pool_budget, request_policy
 
     pool_budget.install()  # the index's bytes per token in SGLang's KV-pool sizing
     host_tier.install()  # pages loaded back from the host tier are rebuilt before they are read
     request_policy.install()  # accuracy chosen per request (custom_params["louver"])
+    cpu_parallel.install()  # --tp-size > 1 on CPU: gloo groups without CUDA communicators
     _registered = True
 
 

@@ -2,7 +2,9 @@
 serving its own KV heads, gives the greedy tokens of ``--tp-size 1`` under the dense policy, and
 its certified steps stay certified on every rank.
 
-SGLang binds each CPU rank to the cores of one NUMA node unless ``SGLANG_CPU_OMP_THREADS_BIND``
+SGLang 0.5.23 alone does not start CPU ranks (it builds a PyNccl communicator on the CPU
+device); louver's plugin builds gloo groups without the CUDA communicators
+(``louver_sgl/serving/cpu_parallel.py``). SGLang binds each CPU rank to the cores of one NUMA node unless ``SGLANG_CPU_OMP_THREADS_BIND``
 says otherwise (``sglang/srt/utils/numa_utils.py``: it asserts dp x tp x pp <= NUMA nodes); these
 machines have one node, so the test gives each rank one core (``0|1``).
 """
