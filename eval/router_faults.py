@@ -8,7 +8,9 @@ rejoining when the router's health check sees it. Each request is recorded with 
 status, latency, and whether its text equals the reference. Nothing may hang (every request has a
 client timeout far above its normal latency), an error must come back as a status and a message,
 and an answer must equal the reference. What the restart loses is the worker's radix cache: its
-statistics file starts from zero, and the prefixes it serves again are built again.
+statistics file starts from zero, and the prefixes it serves again are built again. The last
+phase also sends prompts of new prefixes: ``cache_aware`` keeps sending the old ones to the
+worker that served them while the other was down, and places new ones by load.
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ def _ask(url: str, prompt: str, plan: FaultPlan) -> tuple[int, dict]:
 
 def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase: dict, stop: threading.Event,
           out: list[Outcome], seed: int) -> None:
-    """One client: prompts in a rotating order until ``stop``; each request under the phase current
-    when it was sent."""
+    """One client: prompts in a rotating order until ``stop`` (the first ``phase["prompts"]`` of
+    them); each request under the phase current when it was sent."""
     i = seed
     while not stop.is_set():
-        k, sent_in = i % len(prompts), phase["name"]
+        k, sent_in = i % phase["prompts"], phase["name"]
         start = time.monotonic()
         status, body = _ask(url, prompts[k], plan)
         seconds = time.monotonic() - start
@@ -73,8 +75,11 @@ def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase:
 
 def fault_run(model, prompts: list[str], log_dir: Path, plan: FaultPlan = FaultPlan(),
               worker_extra: list[str] | None = None, worker_env: dict | None = None,
-              max_total_tokens: int = 65536) -> dict:
-    """Run the three phases (module docstring); returns every outcome and the workers' statistics."""
+              max_total_tokens: int = 65536, fresh: list[str] = ()) -> dict:
+    """Run the three phases (module docstring); returns every outcome and the workers' statistics.
+    ``fresh``: prompts whose prefixes only the last phase sends (the router has seen them on no
+    worker, so ``cache_aware`` places them by load, and the restarted worker gets some)."""
+    prompts = list(prompts) + list(fresh)
     log_dir.mkdir(parents=True, exist_ok=True)
     workers = louver_workers(model, 2, log_dir, worker_env, worker_extra, max_total_tokens)
     start_all(workers)
@@ -82,15 +87,15 @@ def fault_run(model, prompts: list[str], log_dir: Path, plan: FaultPlan = FaultP
         refs = [_ask(workers[0].url, p, plan)[1]["text"] for p in prompts]
         with sglang_router([w.url for w in workers], "cache_aware", free_port(), log_dir / "router.log",
                            FAST_FAILOVER) as url:
-            return _phases(url, workers, prompts, refs, plan, log_dir)
+            return _phases(url, workers, prompts, refs, plan, log_dir, len(prompts) - len(fresh))
     finally:
         for worker in workers:
             worker.stop()
 
 
-def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path) -> dict:
+def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path, known: int) -> dict:
     outcomes: list[Outcome] = []
-    phase, stop = {"name": "before"}, threading.Event()
+    phase, stop = {"name": "before", "prompts": known}, threading.Event()
     with concurrent.futures.ThreadPoolExecutor(plan.clients) as pool:
         loops = [pool.submit(_load, url, prompts, refs, plan, phase, stop, outcomes, 3 * c) for c in range(plan.clients)]
         time.sleep(plan.before)
@@ -103,7 +108,7 @@ def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path) -> dict
         workers[1].start()
         wait_healthy(url, 2, 120.0)
         rejoined_after = time.monotonic() - killed_at
-        phase["name"] = "after"
+        phase.update(name="after", prompts=len(prompts))
         time.sleep(plan.after)
         stop.set()
         for loop in loops:

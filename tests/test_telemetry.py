@@ -128,6 +128,15 @@ def test_statistics_file_keeps_one_account_per_request(tmp_path, monkeypatch):
         tel.count_prefill(rid, built=1, prefix=0)
     tel.dump()
     assert list(json.loads(path.read_text())["requests"]) == ["b", "c", "d"]
+    # SGLang's /health generations (a router checks every few seconds) get no account
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+    for i in range(5):
+        tel.count_prefill(f"{HEALTH_CHECK_RID_PREFIX}_{i}", built=0, prefix=0)
+        tel.record_step(steps[0], [f"{HEALTH_CHECK_RID_PREFIX}_{i}", "d"])
+    tel.end_decode_forward()
+    data = json.loads(path.read_text())
+    assert list(data["requests"]) == ["b", "c", "d"] and data["sparse_steps"] > 0
 
 
 def test_chunked_prefill_counts_its_own_chunks_as_built_not_reused(tmp_path):

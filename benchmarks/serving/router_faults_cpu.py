@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/router_faults_cpu.json")
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--per-group", type=int, default=3)
+    parser.add_argument("--fresh-groups", type=int, default=2, help="groups only the phase after the restart sends")
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--before", type=float, default=90.0)
@@ -49,7 +50,9 @@ def main() -> None:
     a = parser.parse_args()
     model = ensure_model()
     plan = FaultPlan(a.clients, a.before, a.during, a.after)
-    run = fault_run(model, prompts(model, a.groups, a.per_group, a.prefix_tokens), Path(a.log_dir), plan,
+    every = prompts(model, a.groups + a.fresh_groups, a.per_group, a.prefix_tokens)
+    known = a.groups * a.per_group
+    run = fault_run(model, every[:known], Path(a.log_dir), plan, fresh=every[known:],
                     worker_extra=["--dtype", "float32", *YARN_32K_ARGS, *LONG_PREFILL_ARGS])
     phases = summary(run)
     write_result(a.out, {"machine": {"cpu": cpu_model_name(), "cores": os.cpu_count()},

@@ -34,6 +34,10 @@ PENDING_LIMIT = 512
 # the StepStats fields Counts.add reads
 SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback")
 REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
+# SGLang's /health runs a one-token generation under this request id prefix
+# (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX): a router checking every few seconds would
+# otherwise push every real request's account out of the statistics file within minutes
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 
 
 @dataclass
@@ -208,7 +212,10 @@ class Telemetry:
         self.pending_rids.clear()
 
     def account(self, rid: str) -> "RequestAccount":
-        """The account of request ``rid`` (created, and the oldest beyond REQUEST_LIMIT dropped)."""
+        """The account of request ``rid`` (created, and the oldest beyond REQUEST_LIMIT dropped);
+        health checks get a throw-away one (their steps still count in the totals)."""
+        if rid.startswith(HEALTH_CHECK_PREFIX):
+            return RequestAccount()
         if rid not in self.requests:
             self.requests[rid] = RequestAccount()
             while len(self.requests) > REQUEST_LIMIT:

@@ -31,9 +31,9 @@ def tiny(tmp_path_factory):
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     rng = random.Random(3)
     words = lambda n: " ".join(str(rng.randrange(vocab)) for _ in range(n))  # noqa: E731
-    prefixes = [words(400), words(400)]
+    prefixes = [words(400) for _ in range(4)]
     prompts = [f"{p} {words(12)}" for p in prefixes for _ in range(3)]
-    return path, prompts
+    return path, prompts  # two groups for the fast test; the fault run's last phase adds the others
 
 
 def test_split_cores():
@@ -43,6 +43,7 @@ def test_split_cores():
 
 def test_cache_aware_router_over_two_tiny_workers(tiny, tmp_path):
     model, prompts = tiny
+    prompts = prompts[:6]
     workers = louver_workers(model, 2, tmp_path, TINY_ENV, max_total_tokens=20000)
     try:
         start_all(workers)
@@ -66,7 +67,8 @@ def test_cache_aware_router_over_two_tiny_workers(tiny, tmp_path):
 def test_a_killed_worker_loses_no_request_silently_and_rejoins(tiny, tmp_path):
     model, prompts = tiny
     plan = FaultPlan(clients=2, before=20.0, during=15.0, after=25.0, max_new_tokens=8, timeout=120.0)
-    run = fault_run(model, prompts, tmp_path, plan, worker_env=TINY_ENV, max_total_tokens=20000)
+    run = fault_run(model, prompts[:6], tmp_path, plan, worker_env=TINY_ENV, max_total_tokens=20000,
+                    fresh=prompts[6:])
     phases = summary(run)
     outcomes = run["outcomes"]
     assert all(o["seconds"] < plan.timeout for o in outcomes), "a request hung"
