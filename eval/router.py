@@ -24,9 +24,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .server import YARN_32K_ARGS, ServerProcess, free_port, wait_ready
+from .server import YARN_32K_ARGS, ServerProcess, free_port, stop_servers_on_sigterm, wait_ready
 
 POLICIES = ("cache_aware", "round_robin")
+# SGLang's /health runs a one-token generation and waits up to 20 s for the scheduler to answer;
+# a CPU worker in a long prefill misses the router's 5 s check timeout, and after a few misses the
+# router marks every busy worker unhealthy and answers 503 (measured: 9 of 24 requests under
+# round_robin with 6K-token prefixes on one core per worker). Workers answer /health without a
+# generation: the router then checks that the process serves HTTP, which is what a killed worker
+# fails; a stuck scheduler is caught by the request timeouts.
+WORKER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 # Fail over within seconds instead of the router's minutes (health checks every 60 s, 3 misses):
 # a worker is out after 2 failed checks 2 s apart, or 2 failed requests in a row, and back after
 # one good check.
@@ -51,7 +58,7 @@ def louver_workers(model: str | Path, count: int, log_dir: Path, env: dict[str, 
     own statistics file (``log_dir/stats-<i>.json``) and log (``log_dir/worker-<i>.log``)."""
     workers = []
     for i, cpus in enumerate(split_cores(count)):
-        worker_env = {"LOUVER_STATS_FILE": str(log_dir / f"stats-{i}.json"), **(env or {})}
+        worker_env = {**WORKER_ENV, "LOUVER_STATS_FILE": str(log_dir / f"stats-{i}.json"), **(env or {})}
         workers.append(ServerProcess(model, "louver", free_port(), worker_env, extra, log_dir / f"worker-{i}.log",
                                      max_total_tokens, cpus=cpus))
     return workers
@@ -148,6 +155,7 @@ def main() -> None:
     parser.add_argument("--model", help="default: the offline SmolLM2-135M-Instruct (fp32, YaRN 32K)")
     parser.add_argument("--log-dir", default="/tmp/louver-router")
     parser.add_argument("worker_args", nargs="*", help="more sglang.launch_server flags for every worker")
+    stop_servers_on_sigterm()
     serve(parser.parse_args())
 
 

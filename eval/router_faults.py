@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class Outcome:
     seconds: float
     correct: bool | None  # text equals the reference (None: no answer)
     error: str | None
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,33 +51,54 @@ class FaultPlan:
     timeout: float = 300.0
 
 
-def _ask(url: str, prompt: str, plan: FaultPlan) -> tuple[int, dict]:
-    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": plan.max_new_tokens}}
+def _ask(url: str, prompt: str, plan: FaultPlan, stream: bool = False) -> tuple[int, dict]:
+    """(HTTP status, answer) of a greedy ``/generate``; a streamed one returns its last chunk, or
+    status 0 and the error when the stream breaks (the router cannot retry a stream it began)."""
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": plan.max_new_tokens},
+            "stream": stream}
     try:
-        return post_json(url, "/generate", body, timeout=plan.timeout)
+        if not stream:
+            return post_json(url, "/generate", body, timeout=plan.timeout)
+        return _streamed(url, body, plan.timeout)
     except OSError as exc:  # connection refused or reset: the client still gets an answer
         return 0, {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _streamed(url: str, body: dict, timeout: float) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    last, done = None, False
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                last = json.loads(line[6:])
+    if not done or last is None or "error" in last:
+        return 0, {"error": f"stream ended without [DONE]: {json.dumps(last)[:200]}"}
+    return 200, last
+
+
 def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase: dict, stop: threading.Event,
-          out: list[Outcome], seed: int) -> None:
+          out: list[Outcome], seed: int, stream: bool) -> None:
     """One client: prompts in a rotating order until ``stop`` (the first ``phase["prompts"]`` of
     them); each request under the phase current when it was sent."""
     i = seed
     while not stop.is_set():
         k, sent_in = i % phase["prompts"], phase["name"]
         start = time.monotonic()
-        status, body = _ask(url, prompts[k], plan)
+        status, body = _ask(url, prompts[k], plan, stream)
         seconds = time.monotonic() - start
         text = body.get("text") if status == 200 else None
         error = None if status == 200 else json.dumps(body)[:300]
-        out.append(Outcome(sent_in, k, status, seconds, None if text is None else text == refs[k], error))
+        out.append(Outcome(sent_in, k, status, seconds, None if text is None else text == refs[k], error, stream))
         i += 1
 
 
 def fault_run(model, prompts: list[str], log_dir: Path, plan: FaultPlan = FaultPlan(),
               worker_extra: list[str] | None = None, worker_env: dict | None = None,
-              max_total_tokens: int = 65536, fresh: list[str] = ()) -> dict:
+              max_total_tokens: int = 65536, fresh: list[str] = (), policy: str = "cache_aware") -> dict:
     """Run the three phases (module docstring); returns every outcome and the workers' statistics.
     ``fresh``: prompts whose prefixes only the last phase sends (the router has seen them on no
     worker, so ``cache_aware`` places them by load, and the restarted worker gets some)."""
@@ -85,7 +108,7 @@ def fault_run(model, prompts: list[str], log_dir: Path, plan: FaultPlan = FaultP
     start_all(workers)
     try:
         refs = [_ask(workers[0].url, p, plan)[1]["text"] for p in prompts]
-        with sglang_router([w.url for w in workers], "cache_aware", free_port(), log_dir / "router.log",
+        with sglang_router([w.url for w in workers], policy, free_port(), log_dir / "router.log",
                            FAST_FAILOVER) as url:
             return _phases(url, workers, prompts, refs, plan, log_dir, len(prompts) - len(fresh))
     finally:
@@ -97,8 +120,11 @@ def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path, known: 
     outcomes: list[Outcome] = []
     phase, stop = {"name": "before", "prompts": known}, threading.Event()
     with concurrent.futures.ThreadPoolExecutor(plan.clients) as pool:
-        loops = [pool.submit(_load, url, prompts, refs, plan, phase, stop, outcomes, 3 * c) for c in range(plan.clients)]
+        # every other client streams: a broken stream is the error a client of a killed worker sees
+        loops = [pool.submit(_load, url, prompts, refs, plan, phase, stop, outcomes, 3 * c, c % 2 == 1)
+                 for c in range(plan.clients)]
         time.sleep(plan.before)
+        in_flight = _wait_for_decoding(log_dir / "stats-1.json", 60.0)  # kill it while it decodes
         killed_stats = json.loads((log_dir / "stats-1.json").read_text())
         phase["name"] = "killed"
         killed_at = time.monotonic()
@@ -114,10 +140,29 @@ def _phases(url, workers, prompts, refs, plan: FaultPlan, log_dir: Path, known: 
         for loop in loops:
             loop.result()
     restarted = json.loads((log_dir / "stats-1.json").read_text())
-    return {"outcomes": [asdict(o) for o in outcomes], "rejoined_seconds_after_kill": rejoined_after,
+    return {"outcomes": [asdict(o) for o in outcomes], "killed_while_decoding": in_flight,
+            "rejoined_seconds_after_kill": rejoined_after,
             "healthy_workers_at_end": healthy_count(url),
             "worker1_before_kill": _pages(killed_stats), "worker1_after_restart": _pages(restarted),
             "worker0": _pages(json.loads((log_dir / "stats-0.json").read_text()))}
+
+
+def _wait_for_decoding(stats_file: Path, timeout: float) -> bool:
+    """Wait until the worker writing ``stats_file`` is decoding (its decode forwards move within
+    0.2 s); False after ``timeout`` (the kill then may hit an idle worker)."""
+    def forwards() -> int:
+        try:
+            return int(json.loads(stats_file.read_text())["decode_forwards"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = forwards()
+        time.sleep(0.2)
+        if before >= 0 and forwards() > before:
+            return True
+    return False
 
 
 def _pages(stats: dict) -> dict:
@@ -137,5 +182,6 @@ def summary(run: dict) -> dict:
             p["answered"] += 1
             p["wrong"] += o["correct"] is False
         else:
-            p["errors"][str(o["status"])] = p["errors"].get(str(o["status"]), 0) + 1
+            kind = f"{o['status']}{' (stream)' if o.get('streamed') else ''}"
+            p["errors"][kind] = p["errors"].get(kind, 0) + 1
     return phases

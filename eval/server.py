@@ -114,6 +114,13 @@ class ServerProcess:
             self.proc.wait(timeout=30)
 
 
+def stop_servers_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit``, so that the ``finally`` blocks that stop this process's
+    servers run: they live in sessions of their own, and a plainly terminated parent would leave
+    them holding their KV pools."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _count_cpus(cpus: str) -> int:
     """Cores in a ``taskset -c`` list (``"0"``, ``"0-3"``, ``"0,2"``)."""
     count = 0

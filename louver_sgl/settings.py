@@ -76,7 +76,7 @@ OPTION_FIELDS = {f.name: f for cls in (LouverConfig, ServingOptions) for f in da
 # variable -> (Environment field, meaning)
 _VARIABLES = {
     "LOUVER_CONFIG": ("config_file", "JSON file with any of the options"),
-    "LOUVER_PROFILE": ("profile", "tuned profile file to use; 'none': built-in defaults"),
+    "LOUVER_PROFILE": ("profile", "tuned profile file to use; 'none': LouverConfig's plain values (no profile)"),
     "LOUVER_PROFILE_DIR": ("profile_dir", "directory searched for <device key>.json before the shipped profiles"),
     "LOUVER_KERNEL_CACHE": ("kernel_cache", "where the compiled CPU kernels are cached"),
     "LOUVER_DISABLE_CPU_KERNELS": ("disable_cpu_kernels", "1: never build or load the compiled CPU kernels"),

@@ -18,14 +18,15 @@ import os
 import subprocess
 import sys
 from contextlib import ExitStack
+from datetime import date
 from pathlib import Path
 
 from louver_eval.data.fetch_model import ensure_model
 from louver_eval.router import POLICIES, louver_workers, sglang_router, start_all
-from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, free_port
+from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, free_port, stop_servers_on_sigterm
 from louver_kernels.cpu_ops import cpu_model_name
 
-from benchmarks.record import write_result
+from benchmarks.record import command_line
 
 KEYS = ("completed", "duration", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
         "output_throughput", "request_throughput", "total_input_tokens")
@@ -66,7 +67,8 @@ def run_policy(policy: str, model: Path, a: argparse.Namespace) -> dict:
         result = bench(url, model, a, logs / "bench.jsonl")
     per_worker = [worker_pages(logs / f"stats-{i}.json") for i in range(len(workers))]
     sent = a.groups * a.per_group
-    return {"policy": policy, "workers": a.workers, "requests": sent, "completed": result["completed"],
+    return {"policy": policy, "workers": a.workers, "groups": a.groups, "questions_per_group": a.per_group,
+            "prefix_tokens": a.prefix_len, "requests": sent, "completed": result["completed"],
             "failed": sent - (result["completed"] or 0),
             "index_pages_built": sum(w["index_pages_built"] for w in per_worker),
             "index_pages_reused": sum(w["index_pages_reused"] for w in per_worker),
@@ -79,8 +81,9 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["policy"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    short = {"cache_aware": "cache-aware", "round_robin": "round-robin"}
+    names = [f"{short[r['policy']]}\n{r['questions_per_group']} q/group" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     axes[0].bar(names, [r["index_pages_reused"] for r in rows], label="reused", color="tab:green")
     axes[0].bar(names, [r["index_pages_built"] for r in rows], bottom=[r["index_pages_reused"] for r in rows],
                 label="built", color="tab:gray")
@@ -90,7 +93,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].set_title("mean TTFT (s)")
     axes[2].bar(names, [r["output_throughput"] for r in rows], color="tab:orange")
     axes[2].set_title("output throughput (tok/s)")
-    fig.suptitle("2 louver workers behind sglang-router, shared-prefix workload, CPU")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("2 louver workers behind sglang-router, shared-prefix workload (6K-token prefixes), CPU")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -109,15 +114,26 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--log-dir", default="/tmp/router-cpu-logs")
+    parser.add_argument("--merge", action="store_true", help="add the rows to those already in --out")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     a = parser.parse_args()
+    if a.plot_only:
+        plot(json.loads(Path(a.out).read_text())["rows"], Path(a.plot))
+        return
+    stop_servers_on_sigterm()
     model = ensure_model()
     rows = []
     for policy in a.policies:
         rows.append(run_policy(policy, model, a))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_worker"}), flush=True)
-    write_result(a.out, {"machine": {"cpu": cpu_model_name(), "cores": os.cpu_count()},
-                         "settings": {k: v for k, v in vars(a).items() if k not in ("out", "plot")}, "rows": rows})
-    plot(rows, Path(a.plot))
+    run = {"command": command_line(), "date": str(date.today()),
+           "settings": {k: v for k, v in vars(a).items() if k not in ("out", "plot", "merge")}}
+    earlier = json.loads(Path(a.out).read_text()) if a.merge and Path(a.out).is_file() else {"runs": [], "rows": []}
+    result = {"machine": {"cpu": cpu_model_name(), "cores": os.cpu_count()}, "date": run["date"],
+              "commands": [r["command"] for r in earlier["runs"]] + [run["command"]],
+              "runs": earlier["runs"] + [run], "rows": earlier["rows"] + rows}
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result["rows"], Path(a.plot))
 
 
 if __name__ == "__main__":

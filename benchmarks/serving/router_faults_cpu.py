@@ -17,7 +17,7 @@ from pathlib import Path
 from louver_eval.data.fetch_model import ensure_model
 from louver_eval.data.texts import load_text
 from louver_eval.router_faults import FaultPlan, fault_run, summary
-from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS
+from louver_eval.server import LONG_PREFILL_ARGS, YARN_32K_ARGS, stop_servers_on_sigterm
 from louver_kernels.cpu_ops import cpu_model_name
 
 from benchmarks.record import write_result
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--per-group", type=int, default=3)
     parser.add_argument("--fresh-groups", type=int, default=2, help="groups only the phase after the restart sends")
+    parser.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin"])
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--before", type=float, default=90.0)
@@ -48,11 +49,12 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=120.0)
     parser.add_argument("--log-dir", default="/tmp/router-faults-logs")
     a = parser.parse_args()
+    stop_servers_on_sigterm()
     model = ensure_model()
     plan = FaultPlan(a.clients, a.before, a.during, a.after)
     every = prompts(model, a.groups + a.fresh_groups, a.per_group, a.prefix_tokens)
     known = a.groups * a.per_group
-    run = fault_run(model, every[:known], Path(a.log_dir), plan, fresh=every[known:],
+    run = fault_run(model, every[:known], Path(a.log_dir), plan, fresh=every[known:], policy=a.policy,
                     worker_extra=["--dtype", "float32", *YARN_32K_ARGS, *LONG_PREFILL_ARGS])
     phases = summary(run)
     write_result(a.out, {"machine": {"cpu": cpu_model_name(), "cores": os.cpu_count()},

@@ -41,4 +41,4 @@ def test_tuned_profile_is_loaded_by_an_engine(tmp_path, capfd, monkeypatch):
     line = f"louver: using tuned profile {path}"
     captured = capfd.readouterr()
     assert line in captured.out + captured.err, "the Engine did not log loading the profile"
-    assert json.loads(stats.read_text())["profile"] == line
+    assert json.loads(stats.read_text())["profile"].startswith(line)
