@@ -133,7 +133,8 @@ def sync() -> None:
 
 def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch, impl: str = "triton"):
     h_kv, dim = case.k_cache.shape[1:]
-    store = PageIndexStore(config, case.k_cache.shape[0] // case.page_size, h_kv, dim, case.k_cache.dtype, DEVICE)
+    store = PageIndexStore(config, case.k_cache.shape[0] // case.page_size, h_kv, dim, case.k_cache.dtype, DEVICE,
+                           code_layout="token")
     sync()
     t0 = time.perf_counter()
     store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
@@ -235,7 +236,7 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
         for policy, extra in (("certified", {"eps": 1e-3}), ("certified", {"eps": 1e-2}), ("budget", {"budget": 0.05})):
             config = LouverConfig(page_size=page_size, policy=policy, **extra)
             h_kv, dim = case.k_cache.shape[1:]
-            store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE)
+            store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE, code_layout="token")
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
             decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
             step_result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
@@ -327,30 +328,31 @@ def profile_breakdown(layer, args, dtype) -> list[dict]:
 SWEEP_CASES = {"llama3_8b": (131072, 1), "smollm2": (32768, 1)}
 
 
-def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[str, TritonLaunch]]:
+def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str], TritonLaunch]]:
     """Time the budget-0.05 step over pages_per_split (and warps at the best split) for one long
-    batch-1 case per shape; returns the rows and the fastest launch per shape."""
+    batch-1 case per shape and implementation; returns the rows and the fastest launch per
+    (shape, implementation)."""
     rows, best = [], {}
     for shape in args.shapes:
         context, batch = SWEEP_CASES[shape]
         context = min(context, max(args.contexts))
         case = PagedCase(layer, shape, context, batch, args.page_size, dtype)
         config = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=min(args.bits))
-        trials = [TritonLaunch(pages_per_split=n) for n in (4, 8, 16, 32, 64)]
-        timed = []
-        for launch in trials:
-            step, *_ = louver_method(case, config, launch)
-            timed.append((graph_time(step), launch))
-        top = min(timed, key=lambda x: x[0])[1]
-        for warps in (2, 8):
-            launch = top.with_(attend_warps=warps)
-            step, *_ = louver_method(case, config, launch)
-            timed.append((graph_time(step), launch))
-        for ms, launch in timed:
-            rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=config.grid_bits, ms=ms,
-                             launch=launch.__dict__, impl=impl))
-            log("sweep", json.dumps(rows[-1]))
-        best[shape] = min(timed, key=lambda x: x[0])[1]
+        for impl in args.impls:
+            timed = []
+            for launch in [TritonLaunch(pages_per_split=n) for n in (4, 8, 16, 32, 64)]:
+                step, *_ = louver_method(case, config, launch, impl)
+                timed.append((graph_time(step), launch))
+            top = min(timed, key=lambda x: x[0])[1]
+            for warps in (2, 8):
+                launch = top.with_(attend_warps=warps)
+                step, *_ = louver_method(case, config, launch, impl)
+                timed.append((graph_time(step), launch))
+            for ms, launch in timed:
+                rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=config.grid_bits, ms=ms,
+                                 launch=launch.__dict__, impl=impl))
+                log("sweep", json.dumps(rows[-1]))
+            best[shape, impl] = min(timed, key=lambda x: x[0])[1]
         del case
     return rows, best
 
@@ -459,15 +461,15 @@ def main() -> int:
         result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype, args.impls)
     if not args.skip_checks:
         result["profile"] = guarded(profile_breakdown, [], layer, args, dtype)
-    best = {shape: TritonLaunch() for shape in args.shapes}
+    best = {(shape, impl): TritonLaunch() for shape in args.shapes for impl in args.impls}
     if not args.skip_sweep:
         result["sweep"], best = guarded(sweep_launch, ([], best), layer, args, dtype)
-    result["launch_used"] = {shape: launch.__dict__ for shape, launch in best.items()}
+    result["launch_used"] = {f"{shape}/{impl}": launch.__dict__ for (shape, impl), launch in best.items()}
     result["timings"] = rows = []
     for shape in args.shapes:
-        launch = best[shape]
         policies = []
         for impl in args.impls:
+            launch = best[shape, impl]
             tag = "" if impl == "triton" else f"_{impl.removeprefix('triton_')}"
             for bits in args.bits:
                 budget = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=bits)
