@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
+
+# the path imports SGLang's KV pool types; the lent GPU machine has no SGLang
+pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="needs SGLang (absent on the lent GPU machine)")
+
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import HeadShapes, louver_decode  # noqa: E402
