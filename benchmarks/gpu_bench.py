@@ -241,7 +241,7 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
             decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
             step_result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
             stats, masks = step_result.stats, step_result.attended
-            attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool)
+            attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool, device=DEVICE)
             for b, m in enumerate(masks):
                 attended[b, :, : m.shape[1]] = m
             k, _ = case.contiguous_kv()

@@ -35,6 +35,9 @@ def test_cuda_branch_decode_matches_the_reference(policy, monkeypatch):
     monkeypatch.setenv("LOUVER_POLICY", policy)
     monkeypatch.setenv("LOUVER_FAMILY", "grid")
     monkeypatch.setenv("LOUVER_DENSE_FALLBACK_FRACTION", "1.0")
+    # the built-in defaults, not a profile: the generic profile's min_sparse_tokens is above the
+    # kit's contexts and would make every step dense
+    monkeypatch.setenv("LOUVER_PROFILE", "none")
     monkeypatch.setattr(backend_module.LouverAttnBackend, "_on_cuda", lambda self: True)
     runs, counted = [], Counts()
     real = CudaDecodePath.decode
