@@ -348,6 +348,8 @@ def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str], 
                 launch = top.with_(attend_warps=warps)
                 step, *_ = louver_method(case, config, launch, impl)
                 timed.append((graph_time(step), launch))
+            if impl == "triton_stream":
+                refine_stream_launch(case, config, timed)
             for ms, launch in timed:
                 rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=config.grid_bits, ms=ms,
                                  launch=launch.__dict__, impl=impl))
@@ -355,6 +357,21 @@ def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str], 
             best[shape, impl] = min(timed, key=lambda x: x[0])[1]
         del case
     return rows, best
+
+
+# the streaming kernels' own launch parameters, tried one at a time from the best launch so far
+STREAM_KNOBS = {"filter_warps": (2, 8), "filter_stages": (1, 3), "survivor_block": (32, 128),
+                "survivor_warps": (2, 8), "survivor_stages": (1, 3)}
+
+
+def refine_stream_launch(case, config, timed: list) -> None:
+    """Coordinate descent over ``STREAM_KNOBS`` for ``triton_stream``: each value is timed from the
+    fastest launch so far and kept when faster; every trial is appended to ``timed``."""
+    for knob, values in STREAM_KNOBS.items():
+        for value in values:
+            launch = min(timed, key=lambda x: x[0])[1].with_(**{knob: value})
+            step, *_ = louver_method(case, config, launch, "triton_stream")
+            timed.append((graph_time(step), launch))
 
 
 # ----------------------------------------------------------------------------- main
