@@ -328,35 +328,41 @@ def profile_breakdown(layer, args, dtype) -> list[dict]:
 SWEEP_CASES = {"llama3_8b": (131072, 1), "smollm2": (32768, 1)}
 
 
-def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str], TritonLaunch]]:
+def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str, int], TritonLaunch]]:
     """Time the budget-0.05 step over pages_per_split (and warps at the best split) for one long
-    batch-1 case per shape and implementation; returns the rows and the fastest launch per
-    (shape, implementation)."""
+    batch-1 case per shape, implementation and code width; returns the rows and the fastest launch
+    per (shape, implementation, bits)."""
     rows, best = [], {}
     for shape in args.shapes:
         context, batch = SWEEP_CASES[shape]
         context = min(context, max(args.contexts))
         case = PagedCase(layer, shape, context, batch, args.page_size, dtype)
-        config = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=min(args.bits))
-        for impl in args.impls:
-            timed = []
-            for launch in [TritonLaunch(pages_per_split=n) for n in (4, 8, 16, 32, 64)]:
-                step, *_ = louver_method(case, config, launch, impl)
-                timed.append((graph_time(step), launch))
-            top = min(timed, key=lambda x: x[0])[1]
-            for warps in (2, 8):
-                launch = top.with_(attend_warps=warps)
-                step, *_ = louver_method(case, config, launch, impl)
-                timed.append((graph_time(step), launch))
-            if impl == "triton_stream":
-                refine_stream_launch(case, config, timed)
+        for impl, bits in ((i, b) for i in args.impls for b in args.bits):
+            config = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=bits)
+            timed = sweep_one(case, config, impl)
             for ms, launch in timed:
-                rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=config.grid_bits, ms=ms,
+                rows.append(dict(shape=shape, context=context, batch=batch, grid_bits=bits, ms=ms,
                                  launch=launch.__dict__, impl=impl))
                 log("sweep", json.dumps(rows[-1]))
-            best[shape, impl] = min(timed, key=lambda x: x[0])[1]
+            best[shape, impl, bits] = min(timed, key=lambda x: x[0])[1]
         del case
     return rows, best
+
+
+def sweep_one(case, config, impl: str) -> list[tuple[float, TritonLaunch]]:
+    """(ms, launch) of every launch tried for one case, configuration and implementation."""
+    timed = []
+    for launch in [TritonLaunch(pages_per_split=n) for n in (4, 8, 16, 32, 64)]:
+        step, *_ = louver_method(case, config, launch, impl)
+        timed.append((graph_time(step), launch))
+    top = min(timed, key=lambda x: x[0])[1]
+    for warps in (2, 8):
+        launch = top.with_(attend_warps=warps)
+        step, *_ = louver_method(case, config, launch, impl)
+        timed.append((graph_time(step), launch))
+    if impl == "triton_stream":
+        refine_stream_launch(case, config, timed)
+    return timed
 
 
 # the streaming kernels' own launch parameters, tried one at a time from the best launch so far
@@ -478,17 +484,17 @@ def main() -> int:
         result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype, args.impls)
     if not args.skip_checks:
         result["profile"] = guarded(profile_breakdown, [], layer, args, dtype)
-    best = {(shape, impl): TritonLaunch() for shape in args.shapes for impl in args.impls}
+    best = {(shape, impl, bits): TritonLaunch() for shape in args.shapes for impl in args.impls for bits in args.bits}
     if not args.skip_sweep:
         result["sweep"], best = guarded(sweep_launch, ([], best), layer, args, dtype)
-    result["launch_used"] = {f"{shape}/{impl}": launch.__dict__ for (shape, impl), launch in best.items()}
+    result["launch_used"] = {f"{shape}/{impl}/g{bits}": launch.__dict__ for (shape, impl, bits), launch in best.items()}
     result["timings"] = rows = []
     for shape in args.shapes:
         policies = []
         for impl in args.impls:
-            launch = best[shape, impl]
             tag = "" if impl == "triton" else f"_{impl.removeprefix('triton_')}"
             for bits in args.bits:
+                launch = best[shape, impl, bits]
                 budget = LouverConfig(page_size=args.page_size, policy="budget", budget=0.05, grid_bits=bits)
                 certified = LouverConfig(page_size=args.page_size, policy="certified", eps=1e-3, grid_bits=bits)
                 policies.append((f"louver{tag}_budget0.05_g{bits}", budget, launch, impl))
