@@ -131,10 +131,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def empty_store(case: PagedCase, config: LouverConfig) -> PageIndexStore:
+    """An index store over the case's KV pool in the layout the Triton kernels read (token-layout
+    codes; on CPU the store would default to block16, so a dry run states it)."""
+    h_kv, dim = case.k_cache.shape[1:]
+    return PageIndexStore(config, case.k_cache.shape[0] // case.page_size, h_kv, dim, case.k_cache.dtype, DEVICE,
+                          code_layout="token")
+
+
 def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch, impl: str = "triton"):
     h_kv, dim = case.k_cache.shape[1:]
-    store = PageIndexStore(config, case.k_cache.shape[0] // case.page_size, h_kv, dim, case.k_cache.dtype, DEVICE,
-                           code_layout="token")
+    store = empty_store(case, config)
     sync()
     t0 = time.perf_counter()
     store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
@@ -235,8 +242,8 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
         full = case.page_table.shape[1] * page_size
         for policy, extra in (("certified", {"eps": 1e-3}), ("certified", {"eps": 1e-2}), ("budget", {"budget": 0.05})):
             config = LouverConfig(page_size=page_size, policy=policy, **extra)
-            h_kv, dim = case.k_cache.shape[1:]
-            store = PageIndexStore(config, case.k_cache.shape[0] // page_size, h_kv, dim, dtype, DEVICE, code_layout="token")
+            h_kv = case.k_cache.shape[1]
+            store = empty_store(case, config)
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
             decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
             step_result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
