@@ -16,9 +16,11 @@ worker that served them while the other was down, and places new ones by load.
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,16 +54,20 @@ class FaultPlan:
 
 
 def _ask(url: str, prompt: str, plan: FaultPlan, stream: bool = False) -> tuple[int, dict]:
-    """(HTTP status, answer) of a greedy ``/generate``; a streamed one returns its last chunk, or
-    status 0 and the error when the stream breaks (the router cannot retry a stream it began)."""
+    """(HTTP status, answer) of a greedy ``/generate``; a streamed one returns its last chunk.
+    Errors come back as answers with an ``error`` text: an HTTP error keeps its status (also for
+    a stream), a broken connection or stream (the router cannot retry a stream it began) is
+    status 0."""
     body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": plan.max_new_tokens},
             "stream": stream}
     try:
         if not stream:
             return post_json(url, "/generate", body, timeout=plan.timeout)
         return _streamed(url, body, plan.timeout)
-    except OSError as exc:  # connection refused or reset: the client still gets an answer
-        return 0, {"error": f"{type(exc).__name__}: {exc}"}
+    except urllib.error.HTTPError as exc:  # a stream refused before its first chunk
+        return exc.code, {"error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:200] or exc.reason}"}
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, or cut mid-stream (IncompleteRead)
+        return 0, {"error": f"{type(exc).__name__}: {exc!r}"}
 
 
 def _streamed(url: str, body: dict, timeout: float) -> tuple[int, dict]:
@@ -74,10 +80,25 @@ def _streamed(url: str, body: dict, timeout: float) -> tuple[int, dict]:
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: "):
-                last = json.loads(line[6:])
+                try:
+                    last = json.loads(line[6:])
+                except ValueError:  # a chunk cut in the middle
+                    return 0, {"error": f"stream broken mid-chunk: {line[:200]!r}"}
     if not done or last is None or "error" in last:
         return 0, {"error": f"stream ended without [DONE]: {json.dumps(last)[:200]}"}
     return 200, last
+
+
+def error_message(body: dict) -> str:
+    """The human-readable error of an answer (SGLang's ``{"error": {"message": ...}}``, an
+    ``error``, ``message`` or ``detail`` text); empty when the answer carries none."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    for text in (error, *(body.get(k) for k in ("message", "detail") if isinstance(body, dict))):
+        if isinstance(text, str) and text.strip():
+            return text.strip()[:300]
+    return ""
 
 
 def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase: dict, stop: threading.Event,
@@ -91,7 +112,7 @@ def _load(url: str, prompts: list[str], refs: list[str], plan: FaultPlan, phase:
         status, body = _ask(url, prompts[k], plan, stream)
         seconds = time.monotonic() - start
         text = body.get("text") if status == 200 else None
-        error = None if status == 200 else json.dumps(body)[:300]
+        error = None if status == 200 else error_message(body)
         out.append(Outcome(sent_in, k, status, seconds, None if text is None else text == refs[k], error, stream))
         i += 1
 

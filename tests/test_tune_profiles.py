@@ -198,6 +198,18 @@ def test_auto_picked_bad_profile_falls_back_to_the_generic_one(tmp_path, data):
     assert config.page_size == load_generic("cpu", "avx512").config["page_size"]
 
 
+def test_a_generic_profile_under_a_device_file_name_is_rejected_with_its_reason(tmp_path):
+    """A generic-format profile (no shapes) named like this device's tuned one is not a tuned
+    profile of this device: it is rejected by name and reason, and the generic level applies
+    (it used to reach ``shapes.mismatches`` with no shapes and crash startup)."""
+    generic = load_generic("cpu", "avx512").to_dict()
+    write(tmp_path, generic)
+    config, _, selection = resolve_options("cpu", SHAPES, search(tmp_path), DEVICE)
+    assert selection.kind == "generic" and selection.profile == load_generic("cpu", "avx512")
+    assert profile_key("cpu", DEVICE) in selection.message and "generic profile" in selection.message
+    assert "no shapes" in selection.message
+
+
 def test_disabled_profile_uses_the_plain_defaults(tmp_path):
     write(tmp_path, profile_dict())
     env = search(tmp_path, LOUVER_PROFILE="none")

@@ -132,6 +132,9 @@ def _device_profiles(key: str, shapes: Shapes, target: str, version: str, enviro
             continue
         try:
             profile = Profile.load(path)
+            if profile.generic:  # no shapes to hold against the served ones: not this device's tuned profile
+                raise ProfileError(f"profile {path} does not apply: it is a generic profile (\"generic\": true, "
+                                   "no shapes) under a device profile's file name")
             problems = profile.version_problems(target, version) + [
                 m for m in profile.shapes.mismatches(shapes) if not m.startswith("kv_dtype")]
             if problems:
