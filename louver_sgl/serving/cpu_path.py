@@ -79,7 +79,7 @@ class CpuDecodePath(DecodePath):
         no request chose its own); each request's policy is noted in its account."""
         rids = forward_batch.rids if forward_batch.rids and len(forward_batch.rids) == len(forward_batch.seq_lens) \
             else None
-        policies = requests_of(forward_batch)
+        policies = requests_of(forward_batch, len(forward_batch.seq_lens))
         telemetry, server = self.state.telemetry, self.decode.config
         if policies is None:
             telemetry.note_policies(rids, describe(server, own=False))

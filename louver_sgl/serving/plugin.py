@@ -73,8 +73,8 @@ def _resolve_louver_args(server_args: Any, previous) -> None:
     # Invalid LOUVER_* options (and an explicit LOUVER_PROFILE that does not apply) fail here, at
     # startup; the profile also decides the server page size.
     device = device_type(view)
-    request_policy.set_served("cuda" if device == "cuda" else "cpu")
     config, serving = resolve_options(device, shapes)[:2] if shapes else load_options()
+    request_policy.set_served("cuda" if device == "cuda" else "cpu", config.threshold.kind)
     check_louver_compatible(view, model_config)
     if device == "cuda" and not config.grid_codes:
         raise ValueError("louver: the clustered family has no CUDA kernels; use LOUVER_FAMILY=grid on GPUs")

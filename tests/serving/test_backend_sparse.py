@@ -108,7 +108,7 @@ def test_requests_with_their_own_policy_share_the_forward_in_groups(monkeypatch)
                                   num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(300, 250, 280))
 
     def run(policies):
-        monkeypatch.setattr(cpu_path, "requests_of", lambda forward_batch: policies)
+        monkeypatch.setattr(cpu_path, "requests_of", lambda forward_batch, batch_size: policies)
         calls = []
         real = api.LouverDecode.run
 

@@ -17,7 +17,8 @@ import pytest
 from louver_eval.data.tiny_model import make_tiny_llama
 from louver_eval.server import free_port, generate, post_json, sglang_server
 from louver_sgl import LouverConfig
-from louver_sgl.serving.request_policy import RequestPolicy, describe, parse
+from louver_sgl.serving import request_policy
+from louver_sgl.serving.request_policy import RequestPolicy, describe, parse, requests_of, with_requests
 
 
 def test_parse_accepts_the_accuracy_knobs_and_names_what_is_wrong():
@@ -40,6 +41,63 @@ def test_parse_accepts_the_accuracy_knobs_and_names_what_is_wrong():
             parse({"louver": entry})
 
 
+@pytest.mark.parametrize("entry, served, message", [
+    ({"eps": 10 ** 400}, None, r"custom_params\.louver\.eps must be a finite number, got 1000.*\(401 characters\)"),
+    ({"budget": -10 ** 400}, None, r"custom_params\.louver\.budget must be a finite number"),
+    ({"policy": "budget", "eps": 1e-3}, None, r"eps applies to the certified policy, not to this request's policy "
+                                              r"'budget'"),
+    ({"policy": "fixed", "budget": 0.1}, None, r"budget applies to the budget policy"),
+    ({"policy": "certified", "fixed_threshold": 1.0}, None, r"fixed_threshold applies to the fixed policy"),
+    ({"policy": "dense", "value_gate": False}, None, r"value_gate applies to the budget and fixed policies"),
+    ({"eps": 1e-3}, "budget", r"eps applies to the certified policy, not to the server's policy 'budget'"),
+])
+def test_parse_refuses_numbers_it_cannot_hold_and_parameters_of_another_policy(entry, served, message):
+    """A 400-digit integer is a clear error, not an ``OverflowError`` past the 400 path; a parameter
+    the request's policy would ignore (its own ``policy`` field, else the server's) is refused."""
+    with pytest.raises(ValueError, match=message):
+        parse({"louver": entry}, served)
+    assert parse({"louver": {"eps": 1e-3}}, "certified") is not None
+    assert parse({"louver": {"policy": "budget", "budget": 0.2}}, "certified") is not None
+
+
+def test_only_parsed_entries_travel_and_the_scheduler_side_never_raises(caplog):
+    """The front door leaves the parsed form in the request; the scheduler-side hook reads it
+    without parsing: a raw malformed entry there (it skipped the front door) is logged and served
+    with the server's policy, and the other requests of the batch keep theirs."""
+    policy = parse({"louver": {"policy": "certified", "eps": 1e-4}})
+    entry = policy.as_entry()
+    assert RequestPolicy.carried(entry) == policy and parse({"louver": entry}) == policy
+    assert RequestPolicy.carried({"eps": 2}) is None and RequestPolicy.carried("dense") is None
+
+    class Req:
+        def __init__(self, rid, louver):
+            self.rid = rid
+            self.sampling_params = type("S", (), {"custom_params": {"louver": louver}})()
+
+    batch = type("Batch", (), {"reqs": [Req("good-a", entry), Req("bad", {"eps": 10 ** 400}),
+                                        Req("good-b", parse({"louver": {"policy": "dense"}}).as_entry())]})()
+    assert with_requests(lambda cls, b: "built", None, batch) == "built"
+    assert "request bad carries a louver entry the front door did not parse" in caplog.text
+    forward = type("Forward", (), {"rids": ["good-a", "bad", "good-b"]})()
+    chosen = requests_of(forward, 3)
+    assert chosen[0] == policy and chosen[1] is None and chosen[2].apply(LouverConfig()).threshold.dense
+    # ids that do not match the batch's rows: nobody's policy lands on another request's row
+    assert requests_of(forward, 4) is None and "carries 3 request ids" in caplog.text
+    for rid in ("good-a", "good-b"):
+        request_policy._CHOSEN.pop(rid, None)
+
+
+def test_the_front_door_replaces_the_entry_by_its_parsed_form(monkeypatch):
+    monkeypatch.setattr(request_policy, "_served", "cpu")
+    monkeypatch.setattr(request_policy, "_served_policy", "budget")
+    params = type("SamplingParams", (), {"custom_params": {"louver": {"budget": 0.3}, "other": 1}})()
+    request_policy.verified(lambda self: None, params)
+    assert params.custom_params == {"louver": {"parsed": True, "budget": 0.3}, "other": 1}
+    bad = type("SamplingParams", (), {"custom_params": {"louver": {"eps": 1e-3}}})()
+    with pytest.raises(ValueError, match="not to the server's policy 'budget'"):
+        request_policy.verified(lambda self: None, bad)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
@@ -58,13 +116,16 @@ def test_requests_choose_their_policy_in_one_batch(tiny, tmp_path):
            "LOUVER_STATS_FILE": str(stats)}
     with sglang_server(model, "louver", free_port(), env, log_path=tmp_path / "louver.log") as url:
         asks = [(dense_prompt, "dense-1", {"policy": "dense"}), (certified_prompt, "cert-1", {"eps": 1e-4})]
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(2 + len(_malformed(certified_prompt))) as pool:
+            # the malformed requests are sent beside the good ones: each gets its 400, they their answers
+            refused = [(pool.submit(post_json, url, where, body), says)
+                       for body, where, says in _malformed(certified_prompt)]
             dense, certified = pool.map(lambda a: generate(url, a[0], max_new_tokens=24, rid=a[1],
                                                            custom_params={"louver": a[2]}), asks)
-        for body, where in _malformed(certified_prompt):
-            status, answer = post_json(url, where, body)
-            assert status == 400, (where, status, answer)
-            assert "custom_params.louver" in json.dumps(answer), answer
+            for future, says in refused:
+                status, answer = future.result()
+                assert status == 400, (status, answer)
+                assert says in json.dumps(answer), answer
         after = generate(url, certified_prompt, max_new_tokens=4, rid="plain-1")
         status, completion = post_json(url, "/v1/completions", {
             "model": "tiny", "prompt": certified_prompt, "max_tokens": 4, "temperature": 0, "rid": "openai-1",
@@ -82,10 +143,14 @@ def test_requests_choose_their_policy_in_one_batch(tiny, tmp_path):
     assert certified["meta_info"]["completion_tokens"] == 24
 
 
-def _malformed(prompt: str) -> list[tuple[dict, str]]:
+def _malformed(prompt: str) -> list[tuple[dict, str, str]]:
+    """(body, endpoint, what the 400 answer says) of requests the server must refuse."""
     sampling = {"max_new_tokens": 2, "temperature": 0}
-    return [({"text": prompt, "sampling_params": {**sampling, "custom_params": {"louver": {"eps": 2}}}}, "/generate"),
-            ({"text": prompt, "sampling_params": {**sampling, "custom_params": {"louver": {"grid_bits": 4}}}},
-             "/generate"),
+    own = lambda louver: {"text": prompt, "sampling_params": {**sampling, "custom_params": {"louver": louver}}}  # noqa: E731
+    return [(own({"eps": 2}), "/generate", "custom_params.louver.eps must lie in (0, 1)"),
+            (own({"grid_bits": 4}), "/generate", "custom_params.louver: unknown field"),
             ({"model": "tiny", "prompt": prompt, "max_tokens": 2, "custom_params": {"louver": {"policy": "exact"}}},
-             "/v1/completions")]
+             "/v1/completions", "custom_params.louver.policy must be one of"),
+            (own({"policy": "budget", "eps": 1e-3}), "/generate", "custom_params.louver.eps applies to the certified"),
+            # SGLang's JSON parser refuses the number itself (Python callers reach parse: its unit test)
+            (own({"eps": 10 ** 400}), "/generate", "number is infinity")]
