@@ -232,15 +232,22 @@ def reference_out(case: PagedCase, rows: int = 2) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checks
 
 
+# the exactness check's policies: both certified rules, two eps, and the budget rule
+EXACTNESS_POLICIES = (("certified", {"eps": 1e-3}), ("certified", {"eps": 1e-2}),
+                      ("certified", {"eps": 1e-2, "certified_rule": "a_posteriori"}), ("budget", {"budget": 0.05}))
+
+
 def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)) -> list[dict]:
     """Recall vs fp64 and certified mass on the captured trace (batch 4, ``tokens`` context with a
-    partial tail page), for every implementation in ``impls``."""
+    partial tail page), for every implementation in ``impls``. Raises ``AssertionError`` after
+    the last row if any row missed a key, dropped more than its reported bound, or reported a
+    certified bound not below eps."""
     results = []
     for impl, shape in ((i, s) for i in impls for s in SHAPES):
         case = PagedCase(layer, shape, tokens - 17, 4, page_size, dtype)
         case.seq_lens.fill_(case.context)
         full = case.page_table.shape[1] * page_size
-        for policy, extra in (("certified", {"eps": 1e-3}), ("certified", {"eps": 1e-2}), ("budget", {"budget": 0.05})):
+        for policy, extra in EXACTNESS_POLICIES:
             config = LouverConfig(page_size=page_size, policy=policy, **extra)
             h_kv = case.k_cache.shape[1]
             store = empty_store(case, config)
@@ -263,11 +270,16 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
                 bound = stats.mass_bound[b]
                 worst_ratio = max(worst_ratio, float((dropped / bound.clamp(min=1e-300)).max()))
                 keys += int(mask.numel())
+            max_bound = float(stats.mass_bound.max())
             results.append(dict(impl=impl, shape=shape, policy=policy, **extra, context=case.context, batch=case.batch,
                                 keys_checked=keys, false_negatives=missed, recall=1.0 if missed == 0 else None,
-                                max_bound=float(stats.mass_bound.max()), dropped_over_bound_max=worst_ratio,
+                                max_bound=max_bound, dropped_over_bound_max=worst_ratio,
+                                dropped_within_bound=worst_ratio <= 1.0,
+                                certified_below_eps=None if policy != "certified" else max_bound < extra["eps"],
                                 candidate_fraction=float(stats.candidates.sum() / (stats.num_indexed.sum() * case.q.shape[1]))))
             log("exactness", results[-1])
+    bad = [r for r in results if r["false_negatives"] or not r["dropped_within_bound"] or r["certified_below_eps"] is False]
+    assert not bad, f"{len(bad)} exactness rows broke the contract: {bad}"
     return results
 
 

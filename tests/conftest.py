@@ -159,3 +159,20 @@ def _kernel_bounds(q, plan, store) -> tuple[torch.Tensor, torch.Tensor]:
         eps_budget=0.5, rounding=th.HIST_ROUNDING, bits=store.config.grid_bits, page_size=size,
         **EDGES.kernel_args(), **out)
     return out["pb"], out["tok"]
+
+
+def cancelling_batch(lens, groups=3, h_kv=2, dim=64, seed=3, size=1000.0):
+    """Keys whose products with the queries are large and cancel (a component of ``size`` times a
+    unit vector orthogonal to the group's queries, plus a small one along them): their fp32 scores
+    err by about 1e-3 in σ units, 30x the slack of the fp32 exps, so masses summed from the fp32
+    scores alone exceed the true keys' mass. One query for every request."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v, table, lens_t = make_paged(lens, 16, h_kv, dim, seed=seed)
+    q = (torch.randn(1, h_kv * groups, dim, generator=gen) * 2).expand(len(lens), -1, -1).contiguous()
+    for kv in range(h_kv):
+        basis, _ = torch.linalg.qr(q[0, kv * groups:(kv + 1) * groups].double().T)  # [D, G]
+        r = torch.randn(len(k), dim, generator=gen, dtype=torch.float64)
+        perp = r - (r @ basis) @ basis.T
+        along = torch.rand(len(k), 1, generator=gen, dtype=torch.float64) * 8 * basis[:, 0]
+        k[:, kv] = (size * perp / perp.norm(dim=1, keepdim=True) * math.sqrt(dim) + along).float()
+    return q, k, v, table, lens_t

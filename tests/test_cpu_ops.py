@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_paged, needs_impl
+from conftest import cancelling_batch, make_paged, needs_impl
 from louver_sgl import LouverConfig
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.contract import EDGES, VALUE_GATE, StepStats
@@ -32,23 +32,6 @@ def _batch(dtype, groups=3, h_kv=2, dim=64, sample_size=40):
     return q, k, v, plan_decode(table, lens, cfg), cfg
 
 
-def _cancelling_batch(lens, groups=3, h_kv=2, dim=64, seed=3, size=1000.0):
-    """Keys whose products with the queries are large and cancel (a component of ``size`` times a
-    unit vector orthogonal to the group's queries, plus a small one along them): their fp32 scores
-    err by about 1e-3 in σ units, 30x the slack of the fp32 exps, so masses summed from the fp32
-    scores alone exceed the true keys' mass. One query for every request."""
-    gen = torch.Generator().manual_seed(seed)
-    k, v, table, lens_t = make_paged(lens, 16, h_kv, dim, seed=seed)
-    q = (torch.randn(1, h_kv * groups, dim, generator=gen) * 2).expand(len(lens), -1, -1).contiguous()
-    for kv in range(h_kv):
-        basis, _ = torch.linalg.qr(q[0, kv * groups:(kv + 1) * groups].double().T)  # [D, G]
-        r = torch.randn(len(k), dim, generator=gen, dtype=torch.float64)
-        perp = r - (r @ basis) @ basis.T
-        along = torch.rand(len(k), 1, generator=gen, dtype=torch.float64) * 8 * basis[:, 0]
-        k[:, kv] = (size * perp / perp.norm(dim=1, keepdim=True) * math.sqrt(dim) + along).float()
-    return q, k, v, table, lens_t
-
-
 def _true_mass(q, k, slots, req, ref, sigma):
     """fp64 Σ exp(σ(q·k − ref)) over rows (slots, req) per (request, head) ``[B, H_q]``."""
     b, heads, dim = q.shape
@@ -63,7 +46,7 @@ def _true_mass(q, k, slots, req, ref, sigma):
 def test_exact_part_masses_bound_the_true_keys_mass(impl):
     """Z_lb is a lower bound of the exactly scored keys' true mass although their fp32 scores err
     (each part's scores lowered by their slack), and not a vacuous one."""
-    q, k, _, table, lens = _cancelling_batch([300, 700, 129, 64])
+    q, k, _, table, lens = cancelling_batch([300, 700, 129, 64])
     cfg = LouverConfig(page_size=16, sample_size=40)
     plan, sigma = plan_decode(table, lens, cfg), 0.125
     ex = exact_part(q, k, plan, sigma) if impl == "torch" else compiled_exact_part(q, k, plan, sigma, 40, OPS)[0]
@@ -81,7 +64,7 @@ def test_attend_pass_candidate_mass_bounds_the_true_keys_mass():
     from louver_sgl.decode.impl_cpu import _Outputs, page_chunks
 
     lens = [300, 700, 129]
-    q, k, v, table, lens_t = _cancelling_batch(lens)
+    q, k, v, table, lens_t = cancelling_batch(lens)
     cfg = LouverConfig(page_size=16, policy="fixed", sample_size=40)
     plan = plan_decode(table, lens_t, cfg)
     # one indexed key per request and KV head dominates its heads' candidate mass (about e^8 times

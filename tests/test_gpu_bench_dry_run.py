@@ -42,6 +42,10 @@ def test_gpu_bench_runs_every_part_on_cpu(tmp_path):
     exact = result["exactness"]
     assert {row["impl"] for row in exact} == {"triton", "triton_stream"}
     assert all(row["false_negatives"] == 0 and row["recall"] == 1.0 for row in exact)
+    assert all(row["dropped_over_bound_max"] <= 1.0 and row["dropped_within_bound"] for row in exact)
+    certified = [row for row in exact if row["policy"] == "certified"]
+    assert certified and all(row["max_bound"] < row["eps"] and row["certified_below_eps"] for row in certified)
+    assert {row.get("certified_rule") for row in certified} == {None, "a_posteriori"}
     assert {(row["impl"], row["grid_bits"]) for row in result["sweep"]} == {("triton", 8), ("triton_stream", 8)}
     assert set(result["launch_used"]) == {"smollm2/triton/g8", "smollm2/triton_stream/g8"}
     methods = {row["method"] for row in result["timings"]}

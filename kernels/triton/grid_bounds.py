@@ -156,3 +156,51 @@ def scores_and_union_mass(keys, q, ref, rows, gmask, sigma, QHI: tl.constexpr, D
     x_lb = tl.minimum(sigma * (s_lb.to(tl.float64) - ref[None, :].to(tl.float64)), 700.0)
     in_union = rows[:, None] & gmask[None, :] & (x_lb == x_lb)
     return s, tl.sum(tl.where(in_union, tl.exp(x_lb), 0.0), 0)
+
+
+# fp32 mass terms e^{σ(x)} summed over a tile of at most 256 rows carry relative error below
+# 2^-15 (argument rounding up to |x|·3u for |x| <= 88, the exp's own, the tile's sum); sums that
+# must be upper bounds take this factor before joining their fp64 accumulator.
+MASS_UP = tl.constexpr(1.0001220703125)  # 1 + 2^-13
+
+
+@triton.jit
+def query_norms(q):
+    """Upper bounds ``[BG]`` of ‖q_g‖ for q ``[BG, D]`` fp32 (fp32 norm, raised by 2^-12)."""
+    return tl.sqrt(tl.sum(q * q, 1)) * 1.000244140625
+
+
+@triton.jit
+def score_errors(keys, q_norm, D: tl.constexpr):
+    """Bounds ``[T, BG]`` on |fp32 score − q·k| of ``exact_scores`` for keys ``[T, D]``: the
+    rounding of the fp32 sums and the split-q residual, as in ``scores_with_lower_bounds``, times
+    ‖q‖·‖k‖ >= Σ|q_d·k_d| (Cauchy-Schwarz; norms raised by 2^-12), plus an absolute 2^-100 for
+    underflowing products. An overflowing norm gives +inf: no mass below, no bound above."""
+    kf = keys.to(tl.float32)
+    k_norm = tl.sqrt(tl.sum(kf * kf, 1)) * 1.000244140625
+    return (k_norm[:, None] * q_norm[None, :]) * (2.0 * (D + 8) * 5.9604644775390625e-08
+                                                  + 7.62939453125e-06) + 7.888609052210118e-31
+
+
+@triton.jit
+def lowered_mass(s, err, ref, rows, sigma):
+    """Per head, the fp64 lower bound ``[BG]`` of Σ e^{σ(q·k − ref)} over the rows ``rows``
+    ``[T, BG]`` (scores s ``[T, BG]`` fp32 with error bounds err): each score lowered by its
+    error, fp64 exps. NaN terms add 0."""
+    x = tl.minimum(sigma * ((s - err).to(tl.float64) - ref[None, :].to(tl.float64)), 700.0)
+    return tl.sum(tl.where(rows & (x == x), tl.exp(x), 0.0), 0)
+
+
+@triton.jit
+def raised_mass(s, err, ref, rows, sigma):
+    """Per head, an upper bound ``[BG]`` fp64 of Σ e^{σ(q·k − ref)} over the rows ``rows``
+    ``[T, BG]`` (at most 256 of them), from fp32 scores raised by their error bounds err: fp32
+    exps, the tile's sum times ``MASS_UP``."""
+    x = sigma * (s + err - ref[None, :])
+    return tl.sum(tl.where(rows, tl.exp(x), 0.0), 0).to(tl.float64) * MASS_UP
+
+
+@triton.jit
+def round_up_f32(x):
+    """fp64 ``x`` (>= 0) to an fp32 value at least as large."""
+    return (x * 1.0000002384185791).to(tl.float32)  # 1 + 2^-22 over the conversion's 2^-24

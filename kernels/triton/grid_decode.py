@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    exact_scores, group_queries, load_codes, load_page_terms, quantize_weights, request_layout,
-    scores_and_union_mass, scores_with_lower_bounds, token_bounds,
+    MASS_UP, exact_scores, group_queries, load_codes, load_page_terms, lowered_mass, query_norms,
+    quantize_weights, raised_mass, request_layout, round_up_f32, score_errors, scores_and_union_mass,
+    scores_with_lower_bounds, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -49,7 +50,7 @@ def _online_mass(m, z, s, s_lb, valid, sigma):
 @triton.jit
 def _exact_part_kernel(
     q_ptr, k_ptr, table_ptr, lens_ptr, ref_ptr, zlb_ptr, sample_ptr, t_ptr, hist_ptr, habs_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma, budget, min_sparse,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, sigma, budget, min_sparse, sum_down,
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     BLOCK_T: tl.constexpr, QHI: tl.constexpr, BUDGET: tl.constexpr, ZERO_HIST: tl.constexpr,
@@ -88,7 +89,7 @@ def _exact_part_kernel(
     s = tl.where(in_sample[:, None], s, float("-inf"))
     tl.store(sample_ptr + head_row[None, :] * M + j[:, None], s, mask=(j < M)[:, None] & gmask[None, :])
     tl.store(ref_ptr + head_row, m, mask=gmask)
-    tl.store(zlb_ptr + head_row, z * (1.0 - 1e-9), mask=gmask)  # covers the fp64 rounding
+    tl.store(zlb_ptr + head_row, z * sum_down, mask=gmask)  # covers the fp64 rounding
     if BUDGET:  # T = the max(1, floor(f·count))-th largest sample score
         # remove the k − 1 largest (one instance each, so ties count), then take the max:
         # k <= f·M passes over the tile are much cheaper than a sort
@@ -200,7 +201,7 @@ def _certified_hist_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr,
-    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr, t0_ptr, zu_ptr,
+    t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr, t0_ptr, zu_ptr, zown_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
     stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT, min_sparse,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
@@ -215,6 +216,8 @@ def _attend_kernel(
     # a-posteriori rule's Z_att). BAND: the a-posteriori band pass: only indexed tokens kept at
     # t_ptr's level and not at t0_ptr's (the first pass's T, gated by the same arithmetic, so no
     # key is scored twice); its union and value counts leave out rows the first pass read.
+    # zown_ptr: per head the lower bound of its own attended rows' mass (scores lowered by their
+    # rounding bound): the reported bound's denominator. Dropped and gated masses are upper bounds.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -245,12 +248,14 @@ def _attend_kernel(
     acc = tl.zeros((BG, DV), tl.float32)
     n_att = tl.zeros((BG,), tl.int32)
     n_skip = tl.zeros((BG,), tl.int32)
-    dropped = tl.zeros((BG,), tl.float32)
-    gated = tl.zeros((BG,), tl.float32)
+    dropped = tl.zeros((BG,), tl.float64)
+    gated = tl.zeros((BG,), tl.float64)
     n_union = tl.zeros((P,), tl.int32)
     n_values = tl.zeros((P,), tl.int32)
     n_read = tl.zeros((BG,), tl.int32)
     z_union = tl.zeros((BG,), tl.float64)
+    z_own = tl.zeros((BG,), tl.float64)
+    q_norm = query_norms(q)
     p0 = s * SPLIT
     for p in range(p0, tl.minimum(p0 + SPLIT, pages)):
         page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
@@ -267,7 +272,7 @@ def _attend_kernel(
             keep_page = ((pb >= t) | (pb != pb)) & gmask
             skip = gmask & (keep_page == 0)
             n_skip += skip.to(tl.int32)
-            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0).to(tl.float64) * MASS_UP
             keep = keep & keep_page[None, :]
             page_gate = gate_t
             if tl.max(keep_page.to(tl.int32), 0) > 0:
@@ -277,7 +282,8 @@ def _attend_kernel(
                 u = token_bounds(codes, wq, step, err, offset)
                 keep_tok = keep & ((u >= t[None, :]) | (u != u))
                 lost = keep & (keep_tok == 0)
-                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+                lost_mass = tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
+                dropped += lost_mass.to(tl.float64) * MASS_UP
                 keep = keep_tok
                 if BAND:
                     page_first = ((pb >= t0) | (pb != pb)) & gmask
@@ -295,7 +301,9 @@ def _attend_kernel(
                 sc_exact = exact_scores(keys, q, QHI)
             # a NaN score is never below the gate (keep semantics, as the torch and C++ steps)
             att = keep & ((sc_exact >= page_gate[None, :]) | (sc_exact != sc_exact))
-            gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
+            sc_err = score_errors(keys, q_norm, D)
+            gated += raised_mass(sc_exact, sc_err, ref, keep & (att == 0), sigma)
+            z_own += lowered_mass(sc_exact, sc_err, ref, att, sigma)
             x = tl.where(att, sigma * sc_exact, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -330,18 +338,20 @@ def _attend_kernel(
         tl.store(counts + 2 * BG, tl.where(g == 0, tl.sum(n_union, 0), 0))
         tl.store(counts + 3 * BG, tl.where(g == 0, tl.sum(n_values, 0), 0))
         tl.store(counts + 4 * BG, n_read)
-        tl.store(mass_ptr + split_row * 2 * BG + g, dropped)
-        tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
+        tl.store(mass_ptr + split_row * 2 * BG + g, round_up_f32(dropped))
+        tl.store(mass_ptr + split_row * 2 * BG + BG + g, round_up_f32(gated))
+    tl.store(zown_ptr + split_row * BG + g, z_own, mask=runs)
     if Z_UNION:
         tl.store(zu_ptr + split_row * BG + g, z_union)
 
 
 @triton.jit
 def _merge_kernel(
-    m_ptr, l_ptr, o_ptr, ref_ptr, out_ptr, zatt_ptr, stride_ob, stride_oh, sigma, S,
+    m_ptr, l_ptr, o_ptr, zown_ptr, out_ptr, zatt_ptr, stride_ob, stride_oh, sigma, S, sum_down,
     G: tl.constexpr, BG: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Merge the splits' softmax states of one (request, query head) into the output."""
+    """Merge the splits' softmax states of one (request, query head) into the output, and their
+    lower bounds of the attended mass into Z_att."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     h = head // G
@@ -356,6 +366,7 @@ def _merge_kernel(
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     den = 0.0
     num = tl.zeros((DV,), tl.float32)
+    z = tl.zeros((BLOCK_S,), tl.float64)
     for s0 in range(0, S, BLOCK_S):
         si = s0 + tl.arange(0, BLOCK_S)
         ms = tl.load(m_ptr + (base + si) * BG + g, mask=si < S, other=float("-inf"))
@@ -365,11 +376,11 @@ def _merge_kernel(
         den += tl.sum(ls * w, 0)
         os = tl.load(o_ptr + ((base + si) * BG + g)[:, None] * DV + dv[None, :], mask=keep[:, None], other=0.0)
         num += tl.sum(os * w[:, None], 0)
+        z += tl.load(zown_ptr + (base + si) * BG + g, mask=keep, other=0.0)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + dv, (num / den).to(out_ptr.dtype.element_ty))
     row = b * tl.num_programs(1) + head
-    ref = tl.load(ref_ptr + row)
-    z = den.to(tl.float64) * tl.exp(top_safe.to(tl.float64) - sigma * ref.to(tl.float64))
-    tl.store(zatt_ptr + row, tl.where(top == float("-inf"), 0.0, z))
+    # a lower bound of the attended mass relative to exp(σ·ref): the splits' lowered sums
+    tl.store(zatt_ptr + row, tl.sum(z, 0) * sum_down)
 
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -403,8 +414,8 @@ def edge_args(edges, with_margin: bool = False) -> dict:
 
 
 def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float, layout: dict, min_sparse: int,
-               launch: TritonLaunch = TritonLaunch(), budget_threshold=None, budget: float = 0.0, hist=None,
-               habs=None) -> None:
+               sum_down: float, launch: TritonLaunch = TritonLaunch(), budget_threshold=None, budget: float = 0.0,
+               hist=None, habs=None) -> None:
     """Reference score, Z_lb and sample scores of a decode batch (and optionally the budget T,
     and zeroed certified histograms).
 
@@ -415,6 +426,7 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
         ref: ``[B, H_q]`` fp32 out; z_lb: ``[B, H_q]`` fp64 out; sample: ``[B, H_q, M]`` fp32 out
             (scores of the evenly spaced sample, −inf padded; M = sample size).
         layout: ``RequestLayout.constexprs`` of the request layout; min_sparse: its ``min_sparse_tokens``.
+        sum_down: the contract's lowering of an fp64 sum for its rounding (Z_lb takes it).
         budget_threshold: optional ``[B, H_q]`` fp32 out: the budget policy's T for fraction
             ``budget`` (the max(1, floor(f·count))-th largest sample score).
         hist, habs: optional ``[B, H_q, W]`` fp64 histograms to zero for ``certified_hist``.
@@ -428,7 +440,7 @@ def exact_part(q, k_cache, page_table, seq_lens, ref, z_lb, sample, sigma: float
         budget_threshold if budget_threshold is not None else ref, hist if hist is not None else z_lb,
         habs if habs is not None else z_lb,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), float(sigma),
-        float(budget), int(min_sparse), **layout,
+        float(budget), int(min_sparse), float(sum_down), **layout,
         D=dim, G=groups, BG=block_g(groups, launch), M=m, MP=triton.next_power_of_2(m), BLOCK_T=launch.exact_block,
         QHI=_kv_dtype(k_cache), BUDGET=budget_threshold is not None, ZERO_HIST=hist is not None,
         HIST_WIDTH=hist.shape[-1] if hist is not None else 1, num_warps=launch.exact_warps,
@@ -483,7 +495,7 @@ def certified_threshold(hist, habs, ref, z_lb, threshold, certificate, sigma: fl
 
 
 def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, ref, m, l, o, counts,
-           mass, sigma: float, layout: dict, min_sparse: int, bits: int, gate: bool, gate_rel: float,
+           mass, z_own, sigma: float, layout: dict, min_sparse: int, bits: int, gate: bool, gate_rel: float,
            launch: TritonLaunch = TritonLaunch(), attended=None, fallback=None, z_union=None,
            band_ceiling=None) -> None:
     """Fused filter and sparse split-K attention.
@@ -498,7 +510,11 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
         o: ``[B, H_kv, S, BG, D_v]`` fp32 out: unnormalised output per split.
         counts: ``[B, H_kv, S, 5, BG]`` int32 out: attended keys, skipped pages and pages whose
             codes were read per head, then (in column 0) union candidates and V rows read.
-        mass: ``[B, H_kv, S, 2, BG]`` fp32 out: index-dropped and value-gated mass relative to ref.
+        mass: ``[B, H_kv, S, 2, BG]`` fp32 out: index-dropped and value-gated mass relative to ref
+            (upper bounds: fp32 sums raised by their rounding, gated scores by theirs).
+        z_own: ``[B, H_kv, S, BG]`` fp64 out: per split and head a lower bound of the mass of the
+            rows it attended (scores lowered by their rounding bound), which ``merge`` sums into
+            Z_att (written by the fallback pass too, for its requests).
         attended: optional ``[B, H_q, W * P]`` int8 out (callers zero it): 1 for every token
             position attended (for tests and audits; the fast path leaves it None).
         fallback: optional ``[B]`` bool: the dense-fallback pass, which recomputes m, l, o of the
@@ -523,7 +539,7 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
         q, k_cache, v_cache, page_table, seq_lens, lo, index["scale"], index["radius"], index["codes"],
         threshold, ref, m, l, o, counts, mass, attended if attended is not None else counts,
         fallback if fallback is not None else seq_lens, band_ceiling if band_ceiling is not None else threshold,
-        z_union if z_union is not None else mass,
+        z_union if z_union is not None else mass, z_own,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0), index["codes"].stride(1),
         attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split, int(min_sparse),
@@ -534,17 +550,19 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
     )
 
 
-def merge(m, l, o, ref, out, z_att, sigma: float, launch: TritonLaunch = TritonLaunch()) -> None:
+def merge(m, l, o, z_own, out, z_att, sigma: float, sum_down: float, launch: TritonLaunch = TritonLaunch()) -> None:
     """Merge split states into the output.
 
     Args:
-        m, l, o: from ``attend``. ref: ``[B, H_q]`` fp32.
+        m, l, o: from ``attend``. z_own: ``[B, H_kv, S, BG]`` fp64 from ``attend``.
         out: ``[B, H_q, D_v]`` (any float dtype, last dim contiguous) out.
-        z_att: ``[B, H_q]`` fp64 out: attended softmax mass relative to exp(σ·ref).
+        z_att: ``[B, H_q]`` fp64 out: a lower bound of the attended softmax mass relative to
+            exp(σ·ref) (the splits' z_own, their fp64 sum times ``sum_down``, the contract's
+            allowance for its rounding).
     """
     batch, h_kv, splits, bg = m.shape
     heads, d_v = out.shape[1], out.shape[2]
     _merge_kernel[(batch, heads)](
-        m, l, o, ref, out, z_att, out.stride(0), out.stride(1), float(sigma), splits,
+        m, l, o, z_own, out, z_att, out.stride(0), out.stride(1), float(sigma), splits, float(sum_down),
         G=heads // h_kv, BG=bg, DV=d_v, BLOCK_S=launch.merge_block, num_warps=launch.merge_warps,
     )

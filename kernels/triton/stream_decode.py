@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    exact_scores, group_queries, load_codes, load_page_terms, quantize_weights, request_layout,
-    scores_and_union_mass, token_bounds,
+    MASS_UP, exact_scores, group_queries, load_codes, load_page_terms, lowered_mass, query_norms, quantize_weights,
+    raised_mass, request_layout, round_up_f32, score_errors, scores_and_union_mass, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -69,7 +69,7 @@ def _filter_kernel(
     n_skip = tl.zeros((BG,), tl.int32)
     n_union = 0
     n_read = 0
-    dropped = tl.zeros((BG,), tl.float32)
+    dropped = tl.zeros((BG,), tl.float64)
     dropped64 = tl.zeros((BG,), tl.float64)
     ref64 = ref.to(tl.float64)
     p0 = s * SPLIT
@@ -84,7 +84,7 @@ def _filter_kernel(
             keep_page = ((pb >= t) | (pb != pb)) & gmask
             skip = gmask & (keep_page == 0)
             n_skip += skip.to(tl.int32)
-            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+            dropped += tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0).to(tl.float64) * MASS_UP
             if DROP64:
                 dropped64 += tl.where(skip, P * tl.exp(sigma * (pb.to(tl.float64) - ref64)), 0.0)
             keep = keep & keep_page[None, :]
@@ -96,7 +96,7 @@ def _filter_kernel(
                 keep_tok = keep & ((u >= t[None, :]) | (u != u))
                 lost = keep & (keep_tok == 0)
                 u_lost = tl.minimum(u, pb[None, :])
-                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (u_lost - ref[None, :])), 0.0), 0)
+                dropped += tl.sum(tl.where(lost, tl.exp(sigma * (u_lost - ref[None, :])), 0.0), 0).to(tl.float64) * MASS_UP
                 if DROP64:
                     dropped64 += tl.sum(tl.where(lost, tl.exp(sigma * (u_lost.to(tl.float64) - ref64[None, :])), 0.0), 0)
                 keep = keep_tok
@@ -117,7 +117,7 @@ def _filter_kernel(
     tl.store(counts + BG, n_skip, mask=runs)
     tl.store(counts + 2 * BG, tl.where(g == 0, n_union, 0), mask=runs)
     tl.store(counts + 4 * BG, tl.where(g == 0, n_read, 0), mask=runs)
-    tl.store(mass_ptr + split_row * 2 * BG + g, dropped, mask=runs)
+    tl.store(mass_ptr + split_row * 2 * BG + g, round_up_f32(dropped), mask=runs)
     if DROP64:
         tl.store(drop64_ptr + split_row * BG + g, dropped64, mask=runs)
 
@@ -136,7 +136,7 @@ def _survivor_entries(seg_counts, seg_ends, idx, list_row, CAP):
 @triton.jit
 def _attend_survivors_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, hmask_ptr, pos_ptr, seg_ptr, t_ptr, flag_ptr,
-    m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, ref_ptr, zu_ptr,
+    m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, ref_ptr, zu_ptr, zown_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kb, sigma, CAP,
     S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     BLOCK_N: tl.constexpr, QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, GATE_REL: tl.constexpr,
@@ -171,8 +171,10 @@ def _attend_survivors_kernel(
     acc = tl.zeros((BG, DV), tl.float32)
     n_att = tl.zeros((BG,), tl.int32)
     n_values = 0
-    gated = tl.zeros((BG,), tl.float32)
+    gated = tl.zeros((BG,), tl.float64)
     z_union = tl.zeros((BG,), tl.float64)
+    z_own = tl.zeros((BG,), tl.float64)
+    q_norm = query_norms(q)
     for i0 in range(start, stop, BLOCK_N):
         idx = i0 + tl.arange(0, BLOCK_N)
         live = idx < stop
@@ -191,7 +193,9 @@ def _attend_survivors_kernel(
         row_gate = tl.where(is_idx[:, None], gate_t[None, :], float("-inf"))
         # a NaN score is never below the gate (keep semantics, as the torch and C++ steps)
         att = keep & ((sc_exact >= row_gate) | (sc_exact != sc_exact))
-        gated += tl.sum(tl.where(keep & (att == 0), tl.exp(sigma * (sc_exact - ref[None, :])), 0.0), 0)
+        sc_err = score_errors(keys, q_norm, D)
+        gated += raised_mass(sc_exact, sc_err, ref, keep & (att == 0), sigma)
+        z_own += lowered_mass(sc_exact, sc_err, ref, att, sigma)
         x = tl.where(att, sigma * sc_exact, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -219,7 +223,8 @@ def _attend_survivors_kernel(
     counts = count_ptr + split_row * 5 * BG + g
     tl.store(counts, n_att)
     tl.store(counts + 3 * BG, tl.where(g == 0, n_values, 0))
-    tl.store(mass_ptr + split_row * 2 * BG + BG + g, gated)
+    tl.store(mass_ptr + split_row * 2 * BG + BG + g, round_up_f32(gated))
+    tl.store(zown_ptr + split_row * BG + g, z_own, mask=runs)
     if Z_UNION:
         tl.store(zu_ptr + split_row * BG + g, z_union)
 
@@ -266,7 +271,7 @@ def filter_survivors(q, page_table, seq_lens, index: dict, threshold, ref, lists
     )
 
 
-def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback, m, l, o, counts, mass,
+def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback, m, l, o, counts, mass, z_own,
                      sigma: float, gate: bool, gate_rel: float, pv_dtype, launch: TritonLaunch,
                      attended=None, z_union=None) -> None:
     """Split-K attention over the compacted survivors (``filter_survivors``' lists).
@@ -275,8 +280,8 @@ def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback,
         q ``[B, H_q, D]``; k_cache ``[slots, H_kv, D]``; v_cache ``[slots, H_kv, D_v]``.
         threshold, ref: ``[B, H_q]`` fp32. fallback: ``[B]`` bool: flagged requests write no split
             state (the dense fallback pass does).
-        m, l, o, counts, mass: the split state and counters of ``grid_decode.attend`` (columns 0
-            and 3 of counts, column 1 of mass written here).
+        m, l, o, counts, mass, z_own: the split state and counters of ``grid_decode.attend``
+            (columns 0 and 3 of counts, column 1 of mass written here).
         gate: candidates scoring below T − gate_rel·(|T| + 1) skip their V read.
         pv_dtype: the Triton dtype of the P·V product (the KV dtype).
         attended: optional ``[B, H_q, W * P]`` int8 out (callers zero it): 1 where attended.
@@ -290,7 +295,7 @@ def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback,
     _attend_survivors_kernel[grid](
         q, k_cache, v_cache, lists["slot"], lists["heads"], lists["pos"] if attended is not None else lists["slot"],
         lists["count"], threshold, fallback, m, l, o, counts, mass,
-        attended if attended is not None else counts, ref, z_union if z_union is not None else mass,
+        attended if attended is not None else counts, ref, z_union if z_union is not None else mass, z_own,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         attended.stride(1) if attended is not None else 0, float(sigma), lists["slot"].shape[3],
         S=splits, SP=triton.next_power_of_2(splits), D=dim, DV=d_v, G=heads // h_kv, BG=counts.shape[-1],

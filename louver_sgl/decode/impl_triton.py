@@ -27,7 +27,7 @@ from ..config import LouverConfig
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .contract import (
-    BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, DecodeResult, HeadShapes,
+    BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, DecodeResult, HeadShapes,
     RequestLayout, StepStats,
 )
 
@@ -51,6 +51,7 @@ class BandBuffers:
     o: torch.Tensor  # [Bmax, H_kv, S, BG, D_v] fp32
     counts: torch.Tensor  # [Bmax, H_kv, S, 5, BG] int32
     mass: torch.Tensor  # [Bmax, H_kv, S, 2, BG] fp32
+    z_own: torch.Tensor  # [Bmax, H_kv, S, BG] fp64
 
     @classmethod
     def like(cls, ws: "GpuWorkspace") -> "BandBuffers":
@@ -60,7 +61,8 @@ class BandBuffers:
                    z_att=torch.zeros_like(ws.certificate),
                    z_union=torch.zeros(ws.m.shape, dtype=torch.float64, device=ws.m.device),
                    m=torch.empty_like(ws.m), l=torch.empty_like(ws.l), o=torch.empty_like(ws.o),
-                   counts=torch.empty_like(ws.counts), mass=torch.empty_like(ws.mass))
+                   counts=torch.empty_like(ws.counts), mass=torch.empty_like(ws.mass),
+                   z_own=torch.empty_like(ws.z_own))
 
     def view(self, batch: int) -> "BandBuffers":
         return BandBuffers(**{k: v[:batch] for k, v in self.__dict__.items()})
@@ -86,6 +88,7 @@ class GpuWorkspace:
     o: torch.Tensor  # [Bmax, H_kv, S, BG, D_v] fp32
     counts: torch.Tensor  # [Bmax, H_kv, S, 5, BG] int32
     mass: torch.Tensor  # [Bmax, H_kv, S, 2, BG] fp32
+    z_own: torch.Tensor  # [Bmax, H_kv, S, BG] fp64: lower bound of each split's attended mass per head
     union: torch.Tensor  # [Bmax] int64: union candidates (the fallback decision)
     fallback: torch.Tensor  # [Bmax] bool: requests over the dense-fallback fraction
     max_pages: int
@@ -113,6 +116,7 @@ class GpuWorkspace:
             o=torch.empty(*state, shapes.head_dim_v, **f32),
             counts=torch.empty(max_batch, heads_kv, splits, 5, bg, dtype=torch.int32, device=device),
             mass=torch.empty(max_batch, heads_kv, splits, 2, bg, **f32),
+            z_own=torch.zeros(state, **f64),
             union=torch.zeros(max_batch, dtype=torch.int64, device=device),
             fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
             max_pages=max_pages,
@@ -253,14 +257,14 @@ def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     threshold_pass(q, k_cache, ws, store, sigma, config, launch)
     z_union = ws.band.z_union if ws.band is not None else None
     kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
-                ws.o, ws.counts, ws.mass, sigma, z_union=z_union, **_attend_options(config, launch, keep))
+                ws.o, ws.counts, ws.mass, ws.z_own, sigma, z_union=z_union, **_attend_options(config, launch, keep))
     if ws.band is not None:
         a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
     # a request can exceed the fraction only below 1; the dense policy's attend pass was dense already
     if config.dense_fallback_fraction < 1.0 and not config.threshold.dense:
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
-    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+    kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN, launch)
 
 
 def _attend_options(config: LouverConfig, launch: TritonLaunch, keep) -> dict:
@@ -275,7 +279,7 @@ def dense_fallback_pass(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: flo
     """The split states of the requests flagged in ws.fallback recomputed densely (every other
     program returns at once)."""
     kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
-                ws.o, ws.counts, ws.mass, sigma, fallback=ws.fallback, **_attend_options(config, launch, keep))
+                ws.o, ws.counts, ws.mass, ws.z_own, sigma, fallback=ws.fallback, **_attend_options(config, launch, keep))
 
 
 def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
@@ -287,7 +291,7 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
     lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     policy = config.threshold
     certified = policy.certified
-    kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, launch=launch,
+    kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, FP64_SUM_DOWN, launch=launch,
                     budget_threshold=ws.threshold if policy.budget_rule else None, budget=policy.budget,
                     hist=ws.hist if certified else None, habs=ws.habs if certified else None)
     if policy.static_threshold is not None:
@@ -326,7 +330,9 @@ def a_posteriori_band(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float
     h_kv = k_cache.shape[1]
     groups = heads // h_kv
     eps_budget = config.eps * BUDGET_SAFETY
-    z_att = torch.fmax(ws.z_lb, band.z_union[..., :groups].sum(2).reshape(batch, heads), out=band.z_att)
+    # the splits' lower bounds summed in fp64, lowered by that sum's rounding as Z_lb is
+    union_mass = band.z_union[..., :groups].sum(2).reshape(batch, heads) * FP64_SUM_DOWN
+    z_att = torch.fmax(ws.z_lb, union_mass, out=band.z_att)
     band.first.copy_(ws.threshold)
     kern.certified_threshold(ws.hist, ws.habs, ws.ref, z_att, band.second, band.second_cert, sigma, eps_budget,
                              HIST_ROUNDING, h_kv, EDGES, launch)
@@ -338,7 +344,7 @@ def a_posteriori_band(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float
     ws.certificate.copy_(torch.where(lowered, band.second_cert, ws.certificate))
     band.second.copy_(torch.where(lowered, band.second, math.inf))
     kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, band.second, ws.ref, band.m,
-                band.l, band.o, band.counts, band.mass, sigma, band_ceiling=band.first,
+                band.l, band.o, band.counts, band.mass, band.z_own, sigma, band_ceiling=band.first,
                 **_attend_options(config, launch, keep))
     _combine_band(ws, lowered.view(batch, h_kv, groups))
 
@@ -354,6 +360,7 @@ def _combine_band(ws: GpuWorkspace, lowered) -> None:
     ws.l.copy_(ws.l * first + band.l * second)
     ws.o.copy_(ws.o * first[..., None] + band.o * second[..., None])
     ws.m.copy_(top)
+    ws.z_own.add_(band.z_own)
     lowered_rows = torch.zeros(ws.counts[:, :, :1, 1].shape, dtype=torch.bool, device=lowered.device)
     lowered_rows[..., : lowered.shape[-1]] = lowered[:, :, None, :]
     skipped = torch.where(lowered_rows, band.counts[:, :, :, 1], ws.counts[:, :, :, 1])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import threshold as th
-from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, RequestLayout
+from .contract import BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, RequestLayout
 from .impl_triton import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
@@ -116,14 +116,14 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     _flags(ws, lists, config, h_kv)
     z_union = ws.band.z_union if ws.band is not None else None
     stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
-                            ws.m, ws.l, ws.o, ws.counts, ws.mass, sigma, config.threshold.gates_values, VALUE_GATE.rel,
+                            ws.m, ws.l, ws.o, ws.counts, ws.mass, ws.z_own, sigma, config.threshold.gates_values, VALUE_GATE.rel,
                             kern._kv_dtype(k_cache), launch, attended=keep, z_union=z_union)
     if ws.band is not None:  # the band's union candidates count towards the fallback decision
         a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep, skip=ws.fallback)
         _flags(ws, lists, config, h_kv)
     if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
-    kern.merge(ws.m, ws.l, ws.o, ws.ref, out, ws.z_att, sigma, launch)
+    kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN, launch)
 
 
 def _flags(ws: GpuWorkspace, lists: SurvivorLists, config, h_kv: int) -> None:
@@ -143,7 +143,7 @@ def _one_pass_thresholds(q, k_cache, ws: GpuWorkspace, lists: SurvivorLists, sto
     lens, table = ws.seq_lens, ws.page_table
     eps_budget = config.eps * BUDGET_SAFETY
     kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, config.min_sparse_tokens,
-                    launch=launch, hist=ws.hist, habs=ws.habs)
+                    FP64_SUM_DOWN, launch=launch, hist=ws.hist, habs=ws.habs)
     n_indexed = RequestLayout.of(config).indexed_tokens(lens)
     lists.provisional.copy_(th.safe_level(ws.ref, ws.z_lb, n_indexed, sigma, eps_budget, HIST_ROUNDING))
     ws.threshold.copy_(lists.provisional)

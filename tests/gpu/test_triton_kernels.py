@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import make_paged  # noqa: E402
+from conftest import fp64_request, make_paged  # noqa: E402
 from louver_kernels.triton.grid_build import grid_build  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
@@ -190,3 +190,30 @@ def test_bad_inputs_are_rejected():
         TritonLaunch.from_dict({"pages_per_split": 4, "block": 3})
     with pytest.raises(ValueError, match="power of two"):
         TritonLaunch(attend_warps=3)
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton_stream"])
+@pytest.mark.parametrize("policy, size", [(dict(policy="fixed", fixed_threshold=2.0), 1000.0),
+                                          (dict(policy="budget", budget=0.3), 1000.0),
+                                          (dict(policy="certified", eps=0.05), 10.0)], ids=["fixed", "budget", "certified"])
+def test_the_reported_bound_covers_the_true_dropped_mass_of_cancelling_keys(impl, policy, size):
+    """Keys whose fp32 scores err (large cancelling products): the step's reported bound is at
+    least the fp64 true dropped softmax mass. Its denominator (the attended mass) and its
+    value-gated mass are built from those scores, so each must be lowered or raised by their
+    rounding bound as the exact part's are; the value gate drops keys whose bound is tight."""
+    from conftest import cancelling_batch
+
+    q, k, v, table, lens = cancelling_batch([300, 700, 129], size=size)  # certified: bounds tight enough to drop
+    config = LouverConfig(page_size=16, sample_size=40, **policy)
+    store = PageIndexStore(config, len(k) // 16, 2, 64, torch.float32, code_layout="token")
+    store.build_pages(k, torch.arange(store.num_pages))
+    sigma = 0.125
+    decode = LouverDecode(config, "cpu", impl=impl, launch=SPLITS)
+    result = decode.plan(table, lens).run(q, k, v, store, sigma, attended=True)
+    for b in range(len(lens)):
+        scores, _ = fp64_request(q, k, v, table, lens, b, 16)
+        p = torch.softmax(sigma * scores, dim=1)
+        dropped = (p * ~result.attended[b]).sum(1)
+        bound = result.stats.mass_bound[b].double()
+        assert bool((dropped > 0).any()), "the case must drop some keys"
+        assert bool((dropped <= bound).all()), (b, (dropped - bound).max())
