@@ -57,18 +57,43 @@ def page_terms(q, lo, sc, rad, D: tl.constexpr, BITS: tl.constexpr):
     Returns (weights ``[BG, D]``, offset ``[BG]``, page_bound ``[BG]``); offset and page bound
     include the fp32 slack of ``dot_slack``.
     """
+    w, offset, pb, _ = page_terms_and_slack(q, lo, sc, rad, D, BITS)
+    return w, offset, pb
+
+
+@triton.jit
+def page_terms_and_slack(q, lo, sc, rad, D: tl.constexpr, BITS: tl.constexpr):
+    """``page_terms`` and the slack ``[BG]`` it added: a bound on the rounding of its sums in any
+    evaluation order (so two kernels' offsets and page bounds differ by at most twice it). lo,
+    sc, rad ``[D]`` (one page) or ``[BG, D]`` (a page per row)."""
     levels: tl.constexpr = 1 << BITS
+    if len(lo.shape) == 1:
+        lo = lo[None, :]
+        sc = sc[None, :]
+        rad = rad[None, :]
     qa = tl.abs(q)
-    radius_term = tl.sum(qa * rad[None, :], 1)
-    w = q * sc[None, :]
+    radius_term = tl.sum(qa * rad, 1)
+    w = q * sc
     c_min = lo + 0.5 * sc
     c_max = lo + (levels - 0.5) * sc
-    offset = tl.sum(q * c_min[None, :], 1) + radius_term
-    pb = tl.sum(tl.maximum(q * c_min[None, :], q * c_max[None, :]), 1) + radius_term
-    magnitude = tl.sum(qa * (tl.abs(lo) + levels * tl.abs(sc) + rad)[None, :], 1)
+    offset = tl.sum(q * c_min, 1) + radius_term
+    pb = tl.sum(tl.maximum(q * c_min, q * c_max), 1) + radius_term
+    magnitude = tl.sum(qa * (tl.abs(lo) + levels * tl.abs(sc) + rad), 1)
     terms: tl.constexpr = 2 * D + 2 + 8
     slack = magnitude * (2.0 * terms * FP32_U) + terms * 7.346839692639297e-40
-    return w, offset + slack, pb + slack
+    return w, offset + slack, pb + slack, slack
+
+
+@triton.jit
+def order_envelopes(u, pb, offset, err, slack, D: tl.constexpr):
+    """How far another kernel's evaluation of the same bounds can lie below these, from the
+    order of its sums and its fused multiply-adds: (token ``[P, BG]``, page ``[BG]``) fp32.
+    Offsets and page bounds differ by at most 2·slack (``page_terms_and_slack``); the weights'
+    error term err is a D-term sum of positive terms (relative 2·D·u between two orders); the
+    final additions of ``token_bounds`` and ``page_terms`` round within 4·u of their magnitudes."""
+    page = 3.0 * slack + 8.0 * FP32_U * tl.abs(pb)
+    tok = page[None, :] + (2 * D + 16) * FP32_U * (tl.abs(u) + 2.0 * tl.abs(offset)[None, :] + 2.0 * err[None, :])
+    return tok, page
 
 
 @triton.jit
@@ -114,12 +139,20 @@ def token_bounds(codes, wq, step, err, offset):
 def load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q,
                     D: tl.constexpr, BITS: tl.constexpr):
     """``page_terms`` of page ``page`` (int64) and KV head h from the stored codebooks."""
+    w, offset, pb, _ = load_page_terms_and_slack(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
+    return w, offset, pb
+
+
+@triton.jit
+def load_page_terms_and_slack(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q,
+                              D: tl.constexpr, BITS: tl.constexpr):
+    """``page_terms_and_slack`` of page ``page`` (int64) and KV head h."""
     dim = tl.arange(0, D)
     meta = page * stride_ms + h * stride_mh + dim
     lo = tl.load(lo_ptr + meta).to(tl.float32)
     sc = tl.load(sc_ptr + meta).to(tl.float32)
     rad = tl.load(rad_ptr + meta).to(tl.float32)
-    return page_terms(q, lo, sc, rad, D, BITS)
+    return page_terms_and_slack(q, lo, sc, rad, D, BITS)
 
 
 @triton.jit

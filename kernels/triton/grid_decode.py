@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .grid_bounds import (
-    MASS_UP, exact_scores, group_queries, load_codes, load_page_terms, lowered_mass, query_norms,
-    quantize_weights, raised_mass, request_layout, round_up_f32, score_errors, scores_and_union_mass,
+    MASS_UP, exact_scores, group_queries, load_codes, load_page_terms, load_page_terms_and_slack, lowered_mass,
+    order_envelopes, query_norms, quantize_weights, raised_mass, request_layout, round_up_f32, score_errors, scores_and_union_mass,
     scores_with_lower_bounds, token_bounds,
 )
 from .launch import TritonLaunch
@@ -177,16 +177,21 @@ def _certified_hist_kernel(
     p0 = first + s * SPLIT
     for p in range(p0, tl.minimum(p0 + SPLIT, end)):
         page = tl.load(table_ptr + b * stride_tb + p).to(tl.int64)
-        w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
+        w, offset, pb, slack = load_page_terms_and_slack(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q,
+                                                         D, BITS)
         wq, step, err = quantize_weights(w, BITS)
         slots = page * P + tl.arange(0, P)
         codes = load_codes(codes_ptr, slots, h, stride_cs, stride_ch, D, BITS, p < end)
         u = token_bounds(codes, wq, step, err, offset)
         u = tl.minimum(u, pb[None, :])
+        # Each unit's mass is its bound's; its bin is that of its bound lowered by how far the
+        # gate kernel's evaluation of the same bound can lie below this one (another kernel
+        # sums in another order): every unit the gate drops at an edge is counted below it.
+        d_tok, d_page = order_envelopes(u, pb, offset, err, slack, D)
         x_page = sigma * (pb.to(tl.float64) - ref)
         x_tok = sigma * (u.to(tl.float64) - ref[None, :])
-        b_page = _edge_bin(x_page, EDGE_LOW, EDGE_STEP, EDGE_COUNT)
-        b_tok = _edge_bin(x_tok, EDGE_LOW, EDGE_STEP, EDGE_COUNT)
+        b_page = _edge_bin(sigma * ((pb - d_page).to(tl.float64) - ref), EDGE_LOW, EDGE_STEP, EDGE_COUNT)
+        b_tok = _edge_bin(sigma * ((u - d_tok).to(tl.float64) - ref[None, :]), EDGE_LOW, EDGE_STEP, EDGE_COUNT)
         m_page = tl.where(x_page == x_page, P * tl.exp(tl.minimum(x_page, 700.0)), 0.0)
         below = (b_tok < b_page[None, :]) & (x_tok == x_tok)
         m_tok = tl.where(below, tl.exp(tl.minimum(x_tok, 700.0)), 0.0)
@@ -203,19 +208,20 @@ def _attend_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, lo_ptr, sc_ptr, rad_ptr, codes_ptr,
     t_ptr, ref_ptr, m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, flag_ptr, t0_ptr, zu_ptr, zown_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT, min_sparse,
+    stride_ms, stride_mh, stride_cs, stride_ch, stride_kb, sigma, SPLIT, min_sparse, band,
     P: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     BITS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, GATE_REL: tl.constexpr, KEEP_OUT: tl.constexpr,
-    FALLBACK_PASS: tl.constexpr, BAND: tl.constexpr, Z_UNION: tl.constexpr,
+    FALLBACK_PASS: tl.constexpr, Z_UNION: tl.constexpr,
 ):
     # Work is skipped where nothing survives: a skipped page reads no codes, a page without
     # candidates reads no keys, a key no head attends reads no value. The fallback pass runs
     # only the requests flagged in flag_ptr, densely (T = −inf), and leaves the counters alone.
     # Z_UNION: also the lower bound of every union row's softmax mass per head (zu_ptr, fp64; the
-    # a-posteriori rule's Z_att). BAND: the a-posteriori band pass: only indexed tokens kept at
-    # t_ptr's level and not at t0_ptr's (the first pass's T, gated by the same arithmetic, so no
-    # key is scored twice); its union and value counts leave out rows the first pass read.
+    # a-posteriori rule's Z_att). band (a runtime flag, so that the band pass runs the first
+    # pass's very binary and its bounds are bit-identical): the a-posteriori band pass: only
+    # indexed tokens kept at t_ptr's level and not at t0_ptr's (the first pass's T), so no key is
+    # scored twice and none is missed; its union and value counts leave out rows the first pass read.
     # zown_ptr: per head the lower bound of its own attended rows' mass (scores lowered by their
     # rounding bound): the reported bound's denominator. Dropped and gated masses are upper bounds.
     b = tl.program_id(0)
@@ -235,9 +241,9 @@ def _attend_kernel(
     else:
         runs = pages >= 0
         t = tl.load(t_ptr + head_row, mask=gmask, other=float("inf"))
-    if BAND:
-        t0 = tl.load(t0_ptr + head_row, mask=gmask, other=float("inf"))
-        pages = tl.where(tl.min(t, 0) == float("inf"), 0, pages)  # no head lowered: nothing to scan
+    in_band = band != 0
+    t0 = tl.load(t0_ptr + head_row, mask=gmask, other=float("inf"))  # read only by the band pass
+    pages = tl.where(in_band & (tl.min(t, 0) == float("inf")), 0, pages)  # band, no head lowered: no scan
     if GATE:  # candidates clearly below T skip their V read (budget and fixed policies)
         gate_t = t - GATE_REL * (tl.abs(t) + 1.0)
     else:
@@ -264,8 +270,7 @@ def _attend_kernel(
         keep = valid[:, None] & gmask[None, :]  # dense rows: every valid token
         page_gate = tl.full((BG,), float("-inf"), tl.float32)
         is_idx = ((p >= first) & (p < end)).to(tl.int32)
-        if BAND:
-            keep = keep & (is_idx > 0)  # the first pass attended the dense rows
+        keep = keep & ((is_idx > 0) | (in_band == 0))  # the band: the first pass attended the dense rows
         row_first = tl.zeros((P,), tl.int32)  # band: rows some head kept at the first level
         if is_idx > 0:  # indexed page: page bound, then token bounds where the page survives
             w, offset, pb = load_page_terms(lo_ptr, sc_ptr, rad_ptr, page, h, stride_ms, stride_mh, q, D, BITS)
@@ -285,11 +290,10 @@ def _attend_kernel(
                 lost_mass = tl.sum(tl.where(lost, tl.exp(sigma * (tl.minimum(u, pb[None, :]) - ref[None, :])), 0.0), 0)
                 dropped += lost_mass.to(tl.float64) * MASS_UP
                 keep = keep_tok
-                if BAND:
-                    page_first = ((pb >= t0) | (pb != pb)) & gmask
-                    first_keep = (valid[:, None] & page_first[None, :]) & ((u >= t0[None, :]) | (u != u))
-                    keep = keep & (first_keep == 0)
-                    row_first = tl.max(first_keep.to(tl.int32), 1)
+                page_first = ((pb >= t0) | (pb != pb)) & gmask & in_band
+                first_keep = (valid[:, None] & page_first[None, :]) & ((u >= t0[None, :]) | (u != u))
+                keep = keep & (first_keep == 0)
+                row_first = tl.max(first_keep.to(tl.int32), 1)
         row = tl.max(keep.to(tl.int32), 1) > 0
         if tl.sum(row.to(tl.int32), 0) > 0:  # keys of candidates first
             keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :],
@@ -322,9 +326,7 @@ def _attend_kernel(
             n_union += (row & (row_first == 0)).to(tl.int32) * is_idx
             n_values += (vrow & (row_first == 0)).to(tl.int32) * is_idx
             if KEEP_OUT:  # the band pass adds its ones to the first pass's
-                out_mask = gmask[None, :] & valid[:, None]
-                if BAND:
-                    out_mask = out_mask & att
+                out_mask = gmask[None, :] & valid[:, None] & (att | (in_band == 0))
                 tl.store(keep_ptr + (head_row[None, :] * stride_kb) + (p * P + tok)[:, None], att.to(tl.int8),
                          mask=out_mask)
     split_row = (b * n_heads_kv + h) * tl.num_programs(2) + s
@@ -543,9 +545,10 @@ def attend(q, k_cache, v_cache, page_table, seq_lens, index: dict, threshold, re
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), lo.stride(0), lo.stride(1), index["codes"].stride(0), index["codes"].stride(1),
         attended.stride(1) if attended is not None else 0, float(sigma), launch.pages_per_split, int(min_sparse),
+        int(band_ceiling is not None),
         **layout, D=dim, DV=d_v, G=groups, BG=block_g(groups, launch), BITS=bits, QHI=kv, PV=kv,
         GATE=gate and fallback is None, GATE_REL=float(gate_rel), KEEP_OUT=attended is not None,
-        FALLBACK_PASS=fallback is not None, BAND=band_ceiling is not None, Z_UNION=z_union is not None,
+        FALLBACK_PASS=fallback is not None, Z_UNION=z_union is not None,
         num_warps=launch.attend_warps, num_stages=launch.attend_stages,
     )
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .grid_bounds import (
     MASS_UP, exact_scores, group_queries, load_codes, load_page_terms, lowered_mass, query_norms, quantize_weights,
-    raised_mass, request_layout, round_up_f32, score_errors, scores_and_union_mass, token_bounds,
+    raised_mass, request_layout, round_up_f32, score_errors, token_bounds,
 )
 from .launch import TritonLaunch
 
@@ -136,14 +136,12 @@ def _survivor_entries(seg_counts, seg_ends, idx, list_row, CAP):
 @triton.jit
 def _attend_survivors_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, hmask_ptr, pos_ptr, seg_ptr, t_ptr, flag_ptr,
-    m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, ref_ptr, zu_ptr, zown_ptr,
+    m_ptr, l_ptr, o_ptr, count_ptr, mass_ptr, keep_ptr, ref_ptr, zown_ptr,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_kb, sigma, CAP,
     S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     BLOCK_N: tl.constexpr, QHI: tl.constexpr, PV: tl.constexpr, GATE: tl.constexpr, GATE_REL: tl.constexpr,
-    KEEP_OUT: tl.constexpr, Z_UNION: tl.constexpr,
+    KEEP_OUT: tl.constexpr,
 ):
-    # Z_UNION: also the lower bound of every survivor's softmax mass per head (zu_ptr, fp64; the
-    # a-posteriori rule's Z_att, as grid_decode.attend's).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -172,7 +170,6 @@ def _attend_survivors_kernel(
     n_att = tl.zeros((BG,), tl.int32)
     n_values = 0
     gated = tl.zeros((BG,), tl.float64)
-    z_union = tl.zeros((BG,), tl.float64)
     z_own = tl.zeros((BG,), tl.float64)
     q_norm = query_norms(q)
     for i0 in range(start, stop, BLOCK_N):
@@ -183,11 +180,7 @@ def _attend_survivors_kernel(
         heads = tl.load(hmask_ptr + entry, mask=live, other=0)
         keys = tl.load(k_ptr + slots[:, None] * stride_ks + h * stride_kh + dim[None, :], mask=live[:, None],
                        other=0.0)
-        if Z_UNION:
-            sc_exact, z_rows = scores_and_union_mass(keys, q, ref, live, gmask, sigma, QHI, D)
-            z_union += z_rows
-        else:
-            sc_exact = exact_scores(keys, q, QHI)
+        sc_exact = exact_scores(keys, q, QHI)
         is_idx = ((heads >> INDEXED_BIT) & 1) != 0
         keep = (((heads[:, None] >> g[None, :]) & 1) != 0) & live[:, None] & gmask[None, :]
         row_gate = tl.where(is_idx[:, None], gate_t[None, :], float("-inf"))
@@ -225,8 +218,6 @@ def _attend_survivors_kernel(
     tl.store(counts + 3 * BG, tl.where(g == 0, n_values, 0))
     tl.store(mass_ptr + split_row * 2 * BG + BG + g, round_up_f32(gated))
     tl.store(zown_ptr + split_row * BG + g, z_own, mask=runs)
-    if Z_UNION:
-        tl.store(zu_ptr + split_row * BG + g, z_union)
 
 
 def segment_capacity(launch: TritonLaunch, page_size: int) -> int:
@@ -273,7 +264,7 @@ def filter_survivors(q, page_table, seq_lens, index: dict, threshold, ref, lists
 
 def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback, m, l, o, counts, mass, z_own,
                      sigma: float, gate: bool, gate_rel: float, pv_dtype, launch: TritonLaunch,
-                     attended=None, z_union=None) -> None:
+                     attended=None) -> None:
     """Split-K attention over the compacted survivors (``filter_survivors``' lists).
 
     Args:
@@ -285,8 +276,6 @@ def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback,
         gate: candidates scoring below T − gate_rel·(|T| + 1) skip their V read.
         pv_dtype: the Triton dtype of the P·V product (the KV dtype).
         attended: optional ``[B, H_q, W * P]`` int8 out (callers zero it): 1 where attended.
-        z_union: optional ``[B, H_kv, S, BG]`` fp64 out: as ``grid_decode.attend``'s, over the
-            survivors (0 for a flagged request).
     """
     batch, heads, dim = q.shape
     h_kv, d_v = k_cache.shape[1], v_cache.shape[2]
@@ -295,11 +284,11 @@ def attend_survivors(q, k_cache, v_cache, lists: dict, threshold, ref, fallback,
     _attend_survivors_kernel[grid](
         q, k_cache, v_cache, lists["slot"], lists["heads"], lists["pos"] if attended is not None else lists["slot"],
         lists["count"], threshold, fallback, m, l, o, counts, mass,
-        attended if attended is not None else counts, ref, z_union if z_union is not None else mass, z_own,
+        attended if attended is not None else counts, ref, z_own,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         attended.stride(1) if attended is not None else 0, float(sigma), lists["slot"].shape[3],
         S=splits, SP=triton.next_power_of_2(splits), D=dim, DV=d_v, G=heads // h_kv, BG=counts.shape[-1],
         BLOCK_N=launch.survivor_block, QHI=pv_dtype, PV=pv_dtype, GATE=gate, GATE_REL=float(gate_rel),
-        KEEP_OUT=attended is not None, Z_UNION=z_union is not None, num_warps=launch.survivor_warps,
+        KEEP_OUT=attended is not None, num_warps=launch.survivor_warps,
         num_stages=launch.survivor_stages,
     )

@@ -343,9 +343,11 @@ def a_posteriori_band(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float
     ws.threshold.copy_(torch.where(lowered, band.second, band.first))
     ws.certificate.copy_(torch.where(lowered, band.second_cert, ws.certificate))
     band.second.copy_(torch.where(lowered, band.second, math.inf))
+    # z_union: the first pass's launch options, so that the band runs its very binary (the band's
+    # own union mass is not read: band.z_union was summed above)
     kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, band.second, ws.ref, band.m,
                 band.l, band.o, band.counts, band.mass, band.z_own, sigma, band_ceiling=band.first,
-                **_attend_options(config, launch, keep))
+                z_union=band.z_union, **_attend_options(config, launch, keep))
     _combine_band(ws, lowered.view(batch, h_kv, groups))
 
 

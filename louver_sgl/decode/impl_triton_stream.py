@@ -5,10 +5,11 @@ Launches: the threshold pass of ``triton`` (``exact_part``; certified: ``certifi
 ``certified_threshold``) -> ``filter_survivors`` (page bounds, token bounds, GQA union; every
 (request, KV head, segment) compacts its survivors into its list) -> fallback flags (union over
 the dense-fallback fraction, or a segment list past its capacity) -> ``attend_survivors``
-(the request's survivors shared evenly by the splits) -> for the a-posteriori certified rule
-``triton``'s check and band pass (``impl_triton.a_posteriori_band``; its fused kernel gates the band by
-the filter's arithmetic) and the fallback flags again -> the dense fallback pass where a request
-can be flagged -> ``merge``. Same contract, statistics and workspace as ``triton``, plus the
+(the request's survivors shared evenly by the splits) -> the dense fallback pass where a request
+can be flagged -> ``merge``. The a-posteriori certified rule runs ``triton``'s fused step: its
+band pass must evaluate the first pass's bounds bit for bit, which the fused kernels do by
+running both passes in one binary (a band over the filter's lists would recompute the bounds in
+another kernel, whose sums may round otherwise). Same contract, statistics and workspace as ``triton``, plus the
 survivor lists, allocated with it; nothing reads the device on the host. With
 ``certified_passes=1`` the threshold launches are the one-pass rule's (``_one_pass_thresholds``).
 """
@@ -21,7 +22,7 @@ import torch
 
 from . import threshold as th
 from .contract import BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, RequestLayout
-from .impl_triton import GpuWorkspace, TritonDecode, a_posteriori_band, dense_fallback_pass, fallback_flags, threshold_pass
+from .impl_triton import GpuWorkspace, TritonDecode, dense_fallback_pass, fallback_flags, threshold_pass
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
@@ -89,6 +90,11 @@ class TritonStreamDecode(TritonDecode):
                                       ws.ref.shape[1], self.device)
 
     def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
+        if self.config.threshold.a_posteriori:
+            # the band pass must see the first pass's bounds bit for bit; the fused kernels run both
+            # passes in one binary, the filter kernel and the fused band kernel are two
+            super().launches(q, k_cache, v_cache, ws, store, sigma, out, keep)
+            return
         if q.shape[1] // k_cache.shape[1] > stream.MAX_GROUP:
             raise ValueError(f"the {self.name!r} kernels hold at most {stream.MAX_GROUP} query heads per KV head")
         full = self.workspace
@@ -114,13 +120,9 @@ def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, st
     torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
     torch.gt(lists.peak, capacity, out=lists.overflow)
     _flags(ws, lists, config, h_kv)
-    z_union = ws.band.z_union if ws.band is not None else None
     stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
-                            ws.m, ws.l, ws.o, ws.counts, ws.mass, ws.z_own, sigma, config.threshold.gates_values, VALUE_GATE.rel,
-                            kern._kv_dtype(k_cache), launch, attended=keep, z_union=z_union)
-    if ws.band is not None:  # the band's union candidates count towards the fallback decision
-        a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep, skip=ws.fallback)
-        _flags(ws, lists, config, h_kv)
+                            ws.m, ws.l, ws.o, ws.counts, ws.mass, ws.z_own, sigma, config.threshold.gates_values,
+                            VALUE_GATE.rel, kern._kv_dtype(k_cache), launch, attended=keep)
     if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
         dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
     kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN, launch)
