@@ -10,6 +10,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 
+_MAY_BE_ZERO = ("tile_atomic", "window_start")
+
+
 @dataclass(frozen=True)
 class TritonLaunch:
     """Launch parameters of the GPU decode path.
@@ -27,6 +30,19 @@ class TritonLaunch:
         whose segment overflows it is attended densely).
     survivor_block, survivor_warps, survivor_stages: survivors per tile, num_warps and num_stages
         of the attention over survivors.
+    tile_pages, tile_warps, tile_stages: ``triton_tiled``'s filter: pages per program (at least
+        16 / the padded GQA group, so that a tile's (page, head) rows fill a tensor-core tile),
+        num_warps, num_stages.
+    tile_atomic: 1: the filter writes each tile's survivors at an offset taken by one atomic per
+        tile (one launch, list order unspecified); 0: into the tile's own region, then a prefix
+        sum and ``compact_warps``' copy (deterministic, two more launches).
+    window_start, window_edges: ``triton_tiled``'s certified histogram in one pass over the codes
+        is evaluated at ``window_edges`` consecutive edges (a power of two) from the safe level's
+        edge plus ``window_start``; below them the request attends densely, above them it keeps
+        the top edge's keys.
+    list_block, list_warps, list_stages, list_splits, list_min_rows: ``triton_tiled``'s attention
+        over the lists: rows per tile, num_warps, num_stages, most splits per (request, KV head),
+        fewest rows per split.
     """
 
     pages_per_split: int = 16
@@ -45,14 +61,31 @@ class TritonLaunch:
     survivor_block: int = 64
     survivor_warps: int = 4
     survivor_stages: int = 2
+    tile_pages: int = 1
+    tile_warps: int = 4
+    tile_stages: int = 1
+    tile_atomic: int = 0
+    compact_warps: int = 4
+    window_start: int = 4
+    window_edges: int = 32
+    list_block: int = 64
+    list_warps: int = 4
+    list_stages: int = 2
+    list_splits: int = 32
+    list_min_rows: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"launch parameter {f.name} must be a positive int, got {value!r}")
+            low = 0 if f.name in _MAY_BE_ZERO else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a non-negative" if low == 0 else "a positive"
+                raise ValueError(f"launch parameter {f.name} must be {kind} int, got {value!r}")
+        if self.tile_atomic not in (0, 1):
+            raise ValueError(f"launch parameter tile_atomic must be 0 or 1, got {self.tile_atomic}")
         for name in ("attend_warps", "hist_warps", "exact_warps", "build_warps", "exact_block", "min_block_g",
-                     "merge_block", "merge_warps", "filter_warps", "survivor_block", "survivor_warps"):
+                     "merge_block", "merge_warps", "filter_warps", "survivor_block", "survivor_warps", "tile_pages",
+                     "tile_warps", "compact_warps", "window_edges", "list_block", "list_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"launch parameter {name} must be a power of two, got {value}")

@@ -33,6 +33,7 @@ _IMPLEMENTATIONS: dict[str, str | type] = {
     "cpu": "louver_sgl.decode.impl_cpu:CpuDecode",
     "triton": "louver_sgl.decode.impl_triton:TritonDecode",
     "triton_stream": "louver_sgl.decode.impl_triton_stream:TritonStreamDecode",
+    "triton_tiled": "louver_sgl.decode.impl_triton_tiled:TritonTiledDecode",
 }
 
 
