@@ -10,7 +10,8 @@ of the GPU machine first on the path (3.6.0 on the lent H200s):
     PYTHONPATH=/tmp/triton36 python -m benchmarks.compile_sm90 --out /tmp/sm90.json
 
 Covered: the page build (2/4/8-bit codes), and for ``triton`` and ``triton_stream`` every policy
-and certified rule (the a-posteriori band pass; ``triton_stream`` also the one-pass rule),
+and certified rule (the a-posteriori band pass; ``triton_stream`` also the one-pass rule), for
+``triton_tiled`` every policy it runs, with ordered and atomic lists (``triton_tiled_atomic``),
 fp16/bf16/fp32 KV, head dims 64 and 128, GQA groups 3 and 4, 4- and 8-bit codes, the value gate
 and the dense fallback pass. Prints one line per distinct compiled kernel (shared memory, warps,
 stages, cubin bytes) and exits non-zero if any compile failed.
@@ -22,7 +23,10 @@ import argparse
 import itertools
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -71,11 +75,26 @@ def _compile_only(original):
         key = f"{self.__name__} warps={meta.num_warps} stages={meta.num_stages} hash={meta.hash[:10]}"
         COMPILED[key] = dict(kernel=self.__name__, shared=meta.shared, num_warps=meta.num_warps,
                              num_stages=meta.num_stages, cubin_bytes=len(kernel.asm.get("cubin", b"")),
-                             target=f"{meta.target.backend}:{meta.target.arch}")
+                             target=f"{meta.target.backend}:{meta.target.arch}",
+                             **resource_usage(kernel.asm.get("cubin", b"")))
         if not kernel.asm.get("cubin"):
             raise RuntimeError(f"{self.__name__}: no cubin produced")
         return kernel
     return run
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, spill stores/loads and stack frame of a cubin (the cuobjdump bundled with
+    Triton); empty where it cannot be read."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cubin or not tool.is_file():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    return {"registers": found.get("REG"), "stack_bytes": found.get("STACK"), "local_bytes": found.get("LOCAL")}
 
 
 def _case(dtype, dim, groups, page):
@@ -92,6 +111,12 @@ def _case(dtype, dim, groups, page):
         start += count
     q = torch.randn(len(lens), h_kv * groups, dim).to(dtype)
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+# launch variants compiled as implementations of their own
+VARIANTS = {"triton_tiled_atomic": ("triton_tiled", {"tile_atomic": 1})}
+# what each implementation refuses by name
+REFUSED = {"triton": {"certified-one-pass"}, "triton_tiled": {"certified-one-pass", "certified-a-posteriori"}}
 
 
 def compile_step(impl: str, policy: str, dtype, dim: int, groups: int, bits: int, fallback: bool) -> None:
@@ -111,7 +136,8 @@ def compile_step(impl: str, policy: str, dtype, dim: int, groups: int, bits: int
     store = PageIndexStore(config, k.shape[0] // page, k.shape[1], dim, dtype, code_layout="token")
     t = store.tensors
     grid_build(k, torch.arange(store.num_pages), t["lo"], t["scale"], t["radius"], t["codes"], page, bits)
-    decode = implementation(impl)(config, torch.device("cpu"), None, None, Capacity(None, None))
+    impl, launch = VARIANTS.get(impl, (impl, None))
+    decode = implementation(impl)(config, torch.device("cpu"), launch, None, Capacity(None, None))
     plan = decode.plan(table, lens)
     decode.run(plan, q=q, k_cache=k, v_cache=v, store=store, sigma=dim ** -0.5)
 
@@ -122,18 +148,19 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"],
                         help="KV dtypes compiled (CI compiles bfloat16 only, the dtype served on GPUs)")
+    parser.add_argument("--impls", nargs="+", default=["triton", "triton_stream", "triton_tiled", "triton_tiled_atomic"])
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     JITFunction.run = _compile_only(JITFunction.run)
     failures = []
     policies = ["certified", "certified-one-pass", "certified-a-posteriori", "budget", "fixed", "dense"]
-    cases = list(itertools.product(["triton", "triton_stream"], policies,
+    cases = list(itertools.product(args.impls, policies,
                                    [getattr(torch, d) for d in args.dtypes], [64, 128], [3, 4], [4, 8],
                                    [False, True]))
     # every option once per implementation and dtype, not the whole product (compiles take seconds each)
     chosen = [c for c in cases if (c[3] == 64) == (c[4] == 3) and (c[5] == 8) == (c[6] is False)
-              and not (c[0] == "triton" and c[1] == "certified-one-pass")]  # triton refuses the option
+              and c[1] not in REFUSED.get(VARIANTS.get(c[0], (c[0],))[0], ())]
     for impl, policy, dtype, dim, groups, bits, fallback in chosen:
         try:
             compile_step(impl, policy, dtype, dim, groups, bits, fallback)

@@ -158,6 +158,7 @@ def louver_method(case: PagedCase, config: LouverConfig, launch: TritonLaunch, i
         result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, out=out, stats=with_stats)
         holder["stats"] = result.stats
 
+    holder["decode"] = decode
     return step, out, holder, store, build_s
 
 
@@ -250,9 +251,14 @@ def check_exactness(layer, page_size: int, dtype, tokens: int, impls=("triton",)
         for policy, extra in EXACTNESS_POLICIES:
             config = LouverConfig(page_size=page_size, policy=policy, **extra)
             h_kv = case.k_cache.shape[1]
+            try:
+                decode = LouverDecode(config, DEVICE, impl=impl)
+            except ValueError as exc:  # an option the implementation refuses by name
+                log(f"exactness {impl} {policy} {extra}: refused ({exc})")
+                continue
             store = empty_store(case, config)
             store.build_pages(case.k_cache, torch.arange(store.num_pages, device=DEVICE))
-            decode = LouverDecode(config, DEVICE, impl=impl).plan(case.page_table, case.seq_lens)
+            decode.plan(case.page_table, case.seq_lens)
             step_result = decode.run(case.q, case.k_cache, case.v_cache, store, case.sigma, attended=True)
             stats, masks = step_result.stats, step_result.attended
             attended = torch.zeros(case.batch, case.q.shape[1], full, dtype=torch.bool, device=DEVICE)
@@ -370,6 +376,10 @@ def sweep_launch(layer, args, dtype) -> tuple[list[dict], dict[tuple[str, str, i
 
 def sweep_one(case, config, impl: str) -> list[tuple[float, TritonLaunch]]:
     """(ms, launch) of every launch tried for one case, configuration and implementation."""
+    if impl == "triton_tiled":
+        timed = []
+        refine_launch(case, config, timed, impl, TILED_KNOBS)
+        return timed
     timed = []
     for launch in [TritonLaunch(pages_per_split=n) for n in (4, 8, 16, 32, 64)]:
         step, *_ = louver_method(case, config, launch, impl)
@@ -380,7 +390,7 @@ def sweep_one(case, config, impl: str) -> list[tuple[float, TritonLaunch]]:
         step, *_ = louver_method(case, config, launch, impl)
         timed.append((graph_time(step), launch))
     if impl == "triton_stream":
-        refine_stream_launch(case, config, timed)
+        refine_launch(case, config, timed, impl, STREAM_KNOBS)
     return timed
 
 
@@ -389,13 +399,22 @@ STREAM_KNOBS = {"filter_warps": (2, 8), "filter_stages": (1, 3), "survivor_block
                 "survivor_warps": (2, 8), "survivor_stages": (1, 3)}
 
 
-def refine_stream_launch(case, config, timed: list) -> None:
-    """Coordinate descent over ``STREAM_KNOBS`` for ``triton_stream``: each value is timed from the
-    fastest launch so far and kept when faster; every trial is appended to ``timed``."""
-    for knob, values in STREAM_KNOBS.items():
+# triton_tiled's launch parameters, tried one at a time from its defaults
+TILED_KNOBS = {"tile_pages": (2, 8), "tile_warps": (2, 8), "tile_atomic": (1,), "list_splits": (16, 64),
+               "list_block": (32, 128), "list_warps": (2, 8), "list_min_rows": (128, 512), "list_stages": (1, 3)}
+
+
+def refine_launch(case, config, timed: list, impl: str, knobs: dict) -> None:
+    """Coordinate descent over ``knobs`` for ``impl``: each value is timed from the fastest launch
+    so far (the defaults when ``timed`` is empty) and kept when faster; every trial is appended
+    to ``timed``."""
+    if not timed:
+        step, *_ = louver_method(case, config, TritonLaunch(), impl)
+        timed.append((graph_time(step), TritonLaunch()))
+    for knob, values in knobs.items():
         for value in values:
             launch = min(timed, key=lambda x: x[0])[1].with_(**{knob: value})
-            step, *_ = louver_method(case, config, launch, "triton_stream")
+            step, *_ = louver_method(case, config, launch, impl)
             timed.append((graph_time(step), launch))
 
 
@@ -478,8 +497,13 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--impls", nargs="+", default=["triton", "triton_stream"],
-                        help="louver decode implementations timed (fused split kernels, streaming filter)")
+    parser.add_argument("--impls", nargs="+", default=["triton", "triton_stream", "triton_tiled"],
+                        help="louver decode implementations timed (fused split kernels, streaming filter, tiled "
+                             "filter and lists)")
+    parser.add_argument("--stages", action="store_true", help="print the stage table first (gpu_stages)")
+    parser.add_argument("--stages-only", action="store_true", help="the stage table, then exit")
+    parser.add_argument("--stage-cases", nargs="+", metavar="SHAPE:CONTEXT:BATCH",
+                        help="the stage table's cases (default: Llama-3-8B shapes at 128K, batch 1 and 8)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
@@ -497,10 +521,22 @@ def main() -> int:
     result["triton"] = triton.__version__
     result["copy_gbps"] = bandwidth = copy_bandwidth()
     log(f"device {result['device']}; copy bandwidth {bandwidth:.0f} GB/s")
+    if args.stages or args.stages_only:
+        from benchmarks.gpu_stages import stage_table
+
+        result["stages"] = guarded(stage_table, [], layer, args, dtype, args.impls)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.stages_only:
+            return 0
     if not args.skip_checks:
         tokens = args.check_tokens or layer["keys"].shape[0]
         result["exactness"] = guarded(check_exactness, [], layer, args.page_size, dtype, tokens, args.impls)
         result["graph_replay"] = guarded(check_graph_replay, {}, layer, args.page_size, dtype, args.impls)
+        from benchmarks.gpu_stages import check_bounds_across_warps
+
+        fused = [i for i in args.impls if i in ("triton", "triton_stream")]
+        result["bounds_across_warps"] = guarded(check_bounds_across_warps, [], layer, args.page_size, dtype,
+                                                tokens, fused) if fused else []
     if not args.skip_checks:
         result["profile"] = guarded(profile_breakdown, [], layer, args, dtype)
     best = {(shape, impl, bits): TritonLaunch() for shape in args.shapes for impl in args.impls for bits in args.bits}

@@ -37,8 +37,11 @@ class ServingOptions:
         ``flashinfer``, ``fa3``, ``triton``, ``torch_native``, ``intel_amx``; ``auto``: SGLang's own
         choice for the device (``serving.extend``).
     cuda_decode: the decode implementation on CUDA devices: ``triton`` (filter and attention fused
-        per split) or ``triton_stream`` (a filter pass that compacts survivors, then attention over
-        them); a launch parameter of CUDA profiles, searched by ``louver-tune``.
+        per split), ``triton_stream`` (a filter pass that compacts survivors, then attention over
+        them), ``triton_tiled`` (a filter over page tiles into one list per request and KV head,
+        then attention over the lists) or ``auto``: the CUDA profile's ``cuda_dispatch`` rules
+        choose per batch size (``decode.dispatch``; ``triton`` without rules); a launch parameter
+        of CUDA profiles, searched by ``louver-tune``.
     sleep_on_idle: on CPU, turn on SGLang's ``--sleep-on-idle`` (its scheduler then waits on its
         sockets instead of polling them: an idle server otherwise keeps a core busy; a paired run
         measured no cost to TTFT or TPOT, docs/benchmarks.md "An idle server").
@@ -52,7 +55,7 @@ class ServingOptions:
     huge_pages: bool = True
     step_timing: bool = False
     extend_backend: str = "auto"
-    cuda_decode: str = "triton"
+    cuda_decode: str = "auto"
     sleep_on_idle: bool = True
 
     def __post_init__(self) -> None:
@@ -70,7 +73,7 @@ class ServingOptions:
             raise ValueError(f"cuda_decode must be one of {list(CUDA_DECODE)}, got {self.cuda_decode!r}")
 
 
-CUDA_DECODE = ("triton", "triton_stream")  # the Triton decode implementations (``decode.api``)
+CUDA_DECODE = ("auto", "triton", "triton_stream", "triton_tiled")  # ``auto``: the profile's dispatch rules
 OPTION_FIELDS = {f.name: f for cls in (LouverConfig, ServingOptions) for f in dataclasses.fields(cls)}
 
 # variable -> (Environment field, meaning)

@@ -32,7 +32,7 @@ def test_gpu_bench_runs_every_part_on_cpu(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_bench", "--trace", str(trace), "--out", str(out), "--shapes", "smollm2",
          "--contexts", "128", "--batches", "1", "--bits", "8", "--dtype", "float16", "--check-tokens", "200",
-         "--impls", "triton", "triton_stream"],
+         "--impls", "triton", "triton_stream", "triton_tiled", "--stages", "--stage-cases", "smollm2:128:1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]
@@ -40,13 +40,27 @@ def test_gpu_bench_runs_every_part_on_cpu(tmp_path):
     assert "failed" not in log, log[-3000:]
     result = json.loads(out.read_text())
     exact = result["exactness"]
-    assert {row["impl"] for row in exact} == {"triton", "triton_stream"}
+    assert {row["impl"] for row in exact} == {"triton", "triton_stream", "triton_tiled"}
     assert all(row["false_negatives"] == 0 and row["recall"] == 1.0 for row in exact)
     assert all(row["dropped_over_bound_max"] <= 1.0 and row["dropped_within_bound"] for row in exact)
     certified = [row for row in exact if row["policy"] == "certified"]
     assert certified and all(row["max_bound"] < row["eps"] and row["certified_below_eps"] for row in certified)
     assert {row.get("certified_rule") for row in certified} == {None, "a_posteriori"}
-    assert {(row["impl"], row["grid_bits"]) for row in result["sweep"]} == {("triton", 8), ("triton_stream", 8)}
-    assert set(result["launch_used"]) == {"smollm2/triton/g8", "smollm2/triton_stream/g8"}
+    impls = {"triton", "triton_stream", "triton_tiled"}
+    assert {(row["impl"], row["grid_bits"]) for row in result["sweep"]} == {(i, 8) for i in impls}
+    assert set(result["launch_used"]) == {f"smollm2/{i}/g8" for i in impls}
     methods = {row["method"] for row in result["timings"]}
-    assert {"louver_budget0.05_g8", "louver_stream_cert1e-3_g8", "sdpa"} <= methods
+    assert {"louver_budget0.05_g8", "louver_stream_cert1e-3_g8", "louver_tiled_cert1e-3_g8", "sdpa"} <= methods
+    # the stage table: every implementation's stages and whole step, the speed-of-light rows
+    stages = result["stages"]
+    for impl in impls:
+        for policy in ("budget0.05", "cert1e-3"):
+            names = {r["stage"] for r in stages if r.get("impl") == impl and r.get("policy") == policy}
+            assert {"exact_part", "attend", "merge", "step"} <= names, (impl, policy, names)
+    assert {"filter", "window_threshold", "attend_flagged"} <= {r["stage"] for r in stages
+                                                               if r.get("impl") == "triton_tiled"}
+    assert any(r["stage"] == "sol_code_scan" for r in stages)
+    assert any(r["stage"].startswith("sol_tiled_lists") for r in stages)
+    warps = result["bounds_across_warps"]
+    assert {r["impl"] for r in warps} == {"triton", "triton_stream"}
+    assert all(r["spec_mismatch_far"] == 0 and r["false_negatives"] == 0 for r in warps)

@@ -19,7 +19,7 @@ from .target import StepFn, Target, TimedPoint
 # Launch parameters searched (the rest keep their defaults); names are ``TritonLaunch`` fields,
 # except ``cuda_decode`` (a ``ServingOptions`` field: the implementation the step runs).
 LAUNCH_CHOICES = {
-    "cuda_decode": ("triton", "triton_stream"),  # a serving option: which Triton implementation
+    "cuda_decode": ("triton", "triton_stream", "triton_tiled"),  # a serving option: which Triton implementation
     "pages_per_split": (4, 8, 16, 32, 64),
     "attend_warps": (2, 4, 8),
     "attend_stages": (1, 2, 3),
@@ -30,6 +30,14 @@ LAUNCH_CHOICES = {
     "filter_stages": (1, 2, 3),
     "survivor_block": (32, 64, 128),
     "survivor_warps": (2, 4, 8),
+    "tile_pages": (1, 2, 4, 8),
+    "tile_warps": (2, 4, 8),
+    "tile_atomic": (0, 1),
+    "window_edges": (16, 32, 64),
+    "list_block": (32, 64, 128),
+    "list_warps": (2, 4, 8),
+    "list_splits": (16, 32, 64),
+    "list_min_rows": (128, 256, 512),
 }
 
 

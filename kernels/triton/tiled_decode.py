@@ -122,9 +122,9 @@ def _tile_filter_kernel(
     else:
         t = tl.load(t_ptr + head_row, mask=ok_r, other=float("inf"))
     t = tl.where(ok_r, t, float("inf"))
-    x_page = sigma * (pb.to(tl.float64) - ref.to(tl.float64))
+    x_page = sigma * (pb - ref)  # fp32, as every token's x below: the window compares these
     if WINDOW:
-        keep_page = ((x_page >= e_lo) | (pb != pb)) & ok_r
+        keep_page = ((x_page.to(tl.float64) >= e_lo) | (pb != pb)) & ok_r
     else:
         keep_page = ((pb >= t) | (pb != pb)) & ok_r
     skip = ok_r & (keep_page == 0)
@@ -156,7 +156,7 @@ def _tile_filter_kernel(
         keep = cand & ((u >= t3) | (u != u))
     lost = cand & (keep == 0)
     # dropped mass per (page, head): skipped pages whole, lost tokens by their bounds
-    page_mass = tl.where(skip, P * tl.exp(sigma * (pb - ref)), 0.0)
+    page_mass = tl.where(skip, P * tl.exp(x_page), 0.0)
     tok_mass = tl.sum(tl.where(lost, tl.exp(x_tok), 0.0), 2)  # [TP, GP]
     dropped = tl.sum(_per_page(page_mass, TP, GP) + tok_mass, 0).to(tl.float64) * MASS_UP  # [GP]
     skipped = tl.sum(_per_page(skip.to(tl.int32), TP, GP), 0)  # [GP]
@@ -179,24 +179,23 @@ def _tile_filter_kernel(
     tl.store(tstat_ptr + stat_row * (GP + 1) + GP, tl.sum(read_j.to(tl.int32), 0))
     tl.store(tdrop_ptr + stat_row * GP + g, dropped)
     if WINDOW:
-        # per head and window edge k: the mass of the units below edge (base + k)
+        # per head and window edge k: the mass of the units below edge (base + k). The edges are
+        # multiples of 1/4 below 64 in magnitude, exact in fp32, so comparing fp32 x with them is
+        # exact, the same comparison the levels below make
         k = tl.arange(0, K)
-        edge = e_lo_3(e_lo, TP, GP) + EDGE_STEP * k[None, None, :].to(tl.float64)  # [TP, GP, K]
+        e_lo2 = tl.reshape(e_lo, (TP, GP)).to(tl.float32)
         page_x = _per_page(x_page, TP, GP)
-        page_below = (page_x[:, :, None] < edge) & _per_page(ok_r, TP, GP)[:, :, None]
-        page_units = tl.where(page_below, P * tl.exp(_per_page(sigma * (pb - ref), TP, GP))[:, :, None], 0.0)
-        tok_units = tl.zeros((TP, GP, K), tl.float32)
+        page_units = tl.where(_per_page(ok_r, TP, GP), P * tl.exp(page_x), 0.0)
         mass_tok = tl.where(valid2[:, None, :] & (x_tok == x_tok), tl.exp(x_tok), 0.0)
-        x64 = x_tok.to(tl.float64)
+        window = tl.zeros((GP, K), tl.float32)
         for kk in tl.static_range(K):
-            below = x64 < (e_lo_3(e_lo, TP, GP) + EDGE_STEP * kk)
-            part = tl.sum(tl.where(below, mass_tok, 0.0), 2)  # [TP, GP]
-            tok_units += tl.where(k[None, None, :] == kk, part[:, :, None], 0.0)
-        units = tl.where(page_below, page_units, tok_units)
-        window = tl.sum(units, 0).to(tl.float64) * MASS_UP  # [GP, K]
-        tl.store(tmass_ptr + (stat_row * GP + g[:, None]) * K + k[None, :], window)
+            edge2 = e_lo2 + EDGE_STEP * kk  # [TP, GP]
+            tok_part = tl.sum(tl.where(x_tok < edge2[:, :, None], mass_tok, 0.0), 2)
+            units = tl.where(page_x < edge2, page_units, tok_part)
+            window += tl.where(k[None, :] == kk, tl.sum(units, 0)[:, None], 0.0)
+        tl.store(tmass_ptr + (stat_row * GP + g[:, None]) * K + k[None, :], window.to(tl.float64) * MASS_UP)
         # per survivor and head: how many window edges its bound reaches (0..K)
-        x_rel = (x64 - e_lo_3(e_lo, TP, GP)) / EDGE_STEP
+        x_rel = (x_tok.to(tl.float64) - e_lo_3(e_lo, TP, GP)) / EDGE_STEP
         lvl = tl.where(x_tok == x_tok, tl.floor(x_rel) + 1.0, K * 1.0)
         lvl = tl.minimum(tl.maximum(lvl, 0.0), K * 1.0).to(tl.int32)
         lvl = tl.where(cand, lvl, 0)

@@ -232,7 +232,13 @@ class TritonDecode(DecodeImplementation):
 
     def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
         """The kernels of one step on the workspace view ``ws`` of a planned batch."""
-        _step(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
+        for _, stage in self.stages(q, k_cache, v_cache, ws, store, sigma, out, keep):
+            stage()
+
+    def stages(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> list:
+        """The step as named stages ``[(name, fn)]``, run in order; each reads what earlier ones
+        wrote and overwrites its own outputs, so the benchmark can time each alone."""
+        return fused_stages(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
 
     def _allocate_for(self, plan: TritonPlan, q, k_cache, v_cache) -> TritonPlan:
         pending = plan.workspace
@@ -250,21 +256,27 @@ class _Pending:
     seq_lens: torch.Tensor
 
 
-def _step(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
-          launch: TritonLaunch, out, keep) -> None:
-    """The launches of one step (module docstring) on the workspace view of a planned batch."""
+def fused_stages(q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+                 launch: TritonLaunch, out, keep) -> list:
+    """The launches of one step (module docstring) on the workspace view of a planned batch, as
+    named stages."""
     h_kv = k_cache.shape[1]
-    threshold_pass(q, k_cache, ws, store, sigma, config, launch)
     z_union = ws.band.z_union if ws.band is not None else None
-    kern.attend(q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l,
-                ws.o, ws.counts, ws.mass, ws.z_own, sigma, z_union=z_union, **_attend_options(config, launch, keep))
+    stages = threshold_stages(q, k_cache, ws, store, sigma, config, launch)
+    stages.append(("attend", lambda: kern.attend(
+        q, k_cache, v_cache, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, ws.m, ws.l, ws.o,
+        ws.counts, ws.mass, ws.z_own, sigma, z_union=z_union, **_attend_options(config, launch, keep))))
     if ws.band is not None:
-        a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
-    fallback_flags(ws, RequestLayout.of(config), h_kv, config.dense_fallback_fraction)
+        stages.append(("band", lambda: a_posteriori_band(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)))
+    stages.append(("fallback_flags", lambda: fallback_flags(ws, RequestLayout.of(config), h_kv,
+                                                            config.dense_fallback_fraction)))
     # a request can exceed the fraction only below 1; the dense policy's attend pass was dense already
     if config.dense_fallback_fraction < 1.0 and not config.threshold.dense:
-        dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
-    kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN, launch)
+        stages.append(("dense_fallback", lambda: dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config,
+                                                                     launch, keep)))
+    stages.append(("merge", lambda: kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN,
+                                               launch)))
+    return stages
 
 
 def _attend_options(config: LouverConfig, launch: TritonLaunch, keep) -> dict:
@@ -286,23 +298,40 @@ def threshold_pass(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: Lo
                    launch: TritonLaunch) -> None:
     """ws.ref, ws.z_lb, the sample and ws.threshold (T per head under the config's policy; for
     the certified policy also ws.certificate) of a planned batch."""
+    for _, stage in threshold_stages(q, k_cache, ws, store, sigma, config, launch):
+        stage()
+
+
+def threshold_stages(q, k_cache, ws: GpuWorkspace, store, sigma: float, config: LouverConfig,
+                     launch: TritonLaunch) -> list:
+    """``threshold_pass``'s launches as named stages."""
     h_kv = k_cache.shape[1]
     layout = RequestLayout.of(config).constexprs()
     lens, table, min_sparse = ws.seq_lens, ws.page_table, config.min_sparse_tokens
     policy = config.threshold
     certified = policy.certified
-    kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, FP64_SUM_DOWN, launch=launch,
-                    budget_threshold=ws.threshold if policy.budget_rule else None, budget=policy.budget,
-                    hist=ws.hist if certified else None, habs=ws.habs if certified else None)
-    if policy.static_threshold is not None:
-        ws.threshold.fill_(policy.static_threshold)
-    if certified:
-        kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout, min_sparse,
-                            config.grid_bits, EDGES, launch)
+
+    def exact() -> None:
+        kern.exact_part(q, k_cache, table, lens, ws.ref, ws.z_lb, ws.sample, sigma, layout, min_sparse, FP64_SUM_DOWN,
+                        launch=launch, budget_threshold=ws.threshold if policy.budget_rule else None,
+                        budget=policy.budget, hist=ws.hist if certified else None,
+                        habs=ws.habs if certified else None)
+        if policy.static_threshold is not None:
+            ws.threshold.fill_(policy.static_threshold)
+
+    def threshold() -> None:
         # the a-posteriori rule's first level fits the estimate of Z; the histogram rule's, Z_lb
         z = _estimated_z(ws, sigma, config) if ws.band is not None else ws.z_lb
         kern.certified_threshold(ws.hist, ws.habs, ws.ref, z, ws.threshold, ws.certificate, sigma,
                                  policy.kernel_eps_budget(BUDGET_SAFETY), HIST_ROUNDING, h_kv, EDGES, launch)
+
+    stages = [("exact_part", exact)]
+    if certified:  # the histogram accumulates into what exact_part zeroed
+        stages.append(("certified_hist", lambda: kern.certified_hist(
+            q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout, min_sparse, config.grid_bits, EDGES,
+            launch)))
+        stages.append(("certified_threshold", threshold))
+    return stages
 
 
 def _estimated_z(ws: GpuWorkspace, sigma: float, config: LouverConfig) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from . import threshold as th
 from .contract import BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, RequestLayout
-from .impl_triton import GpuWorkspace, TritonDecode, dense_fallback_pass, fallback_flags, threshold_pass
+from .impl_triton import GpuWorkspace, TritonDecode, dense_fallback_pass, fallback_flags, threshold_stages
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
@@ -89,43 +89,50 @@ class TritonStreamDecode(TritonDecode):
         return SurvivorLists.allocate(ws.max_batch, ws.m.shape[1], ws.m.shape[2], capacity, ws.m.shape[3],
                                       ws.ref.shape[1], self.device)
 
-    def launches(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> None:
+    def stages(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> list:
         if self.config.threshold.a_posteriori:
             # the band pass must see the first pass's bounds bit for bit; the fused kernels run both
             # passes in one binary, the filter kernel and the fused band kernel are two
-            super().launches(q, k_cache, v_cache, ws, store, sigma, out, keep)
-            return
+            return super().stages(q, k_cache, v_cache, ws, store, sigma, out, keep)
         if q.shape[1] // k_cache.shape[1] > stream.MAX_GROUP:
             raise ValueError(f"the {self.name!r} kernels hold at most {stream.MAX_GROUP} query heads per KV head")
         full = self.workspace
         if self.lists is None or self.lists.slot.shape[:3] != full.m.shape[:3]:
             self.lists = self._allocate_lists(full)  # the workspace was (re)allocated by plan
         lists = self.lists.with_positions().view(ws.max_batch) if keep is not None else self.lists.view(ws.max_batch)
-        _stream_step(q, k_cache, v_cache, ws, lists, store, sigma, self.config, self.launch, out, keep)
+        return stream_stages(q, k_cache, v_cache, ws, lists, store, sigma, self.config, self.launch, out, keep)
 
 
-def _stream_step(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, store, sigma: float, config,
-                 launch, out, keep) -> None:
-    """The launches of one streaming step (module docstring)."""
+def stream_stages(q, k_cache, v_cache, ws: GpuWorkspace, lists: SurvivorLists, store, sigma: float, config,
+                  launch, out, keep) -> list:
+    """The launches of one streaming step (module docstring) as named stages."""
     h_kv = k_cache.shape[1]
     layout = RequestLayout.of(config).constexprs()
     filter_args = (q, ws.page_table, ws.seq_lens, store.tensors, ws.threshold, ws.ref, lists.as_kernel_args(),
                    ws.counts, ws.mass, sigma, layout, config.min_sparse_tokens, config.grid_bits, launch)
     if config.threshold.one_pass:
-        _one_pass_thresholds(q, k_cache, ws, lists, store, sigma, config, launch, filter_args, keep is not None)
+        stages = [("one_pass_thresholds_and_filter", lambda: _one_pass_thresholds(
+            q, k_cache, ws, lists, store, sigma, config, launch, filter_args, keep is not None))]
     else:
-        threshold_pass(q, k_cache, ws, store, sigma, config, launch)
-        stream.filter_survivors(*filter_args, positions=keep is not None)
-    capacity = lists.slot.shape[3]
-    torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
-    torch.gt(lists.peak, capacity, out=lists.overflow)
-    _flags(ws, lists, config, h_kv)
-    stream.attend_survivors(q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback,
-                            ws.m, ws.l, ws.o, ws.counts, ws.mass, ws.z_own, sigma, config.threshold.gates_values,
-                            VALUE_GATE.rel, kern._kv_dtype(k_cache), launch, attended=keep)
+        stages = threshold_stages(q, k_cache, ws, store, sigma, config, launch)
+        stages.append(("filter", lambda: stream.filter_survivors(*filter_args, positions=keep is not None)))
+
+    def flags() -> None:
+        torch.amax(lists.count.flatten(1), dim=1, out=lists.peak)
+        torch.gt(lists.peak, lists.slot.shape[3], out=lists.overflow)
+        _flags(ws, lists, config, h_kv)
+
+    stages.append(("fallback_flags", flags))
+    stages.append(("attend", lambda: stream.attend_survivors(
+        q, k_cache, v_cache, lists.as_kernel_args(), ws.threshold, ws.ref, ws.fallback, ws.m, ws.l, ws.o, ws.counts,
+        ws.mass, ws.z_own, sigma, config.threshold.gates_values, VALUE_GATE.rel, kern._kv_dtype(k_cache), launch,
+        attended=keep)))
     if config.dense_fallback_fraction < 1.0 or launch.survivor_percent < 100:  # a request can be flagged
-        dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config, launch, keep)
-    kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN, launch)
+        stages.append(("dense_fallback", lambda: dense_fallback_pass(q, k_cache, v_cache, ws, store, sigma, config,
+                                                                     launch, keep)))
+    stages.append(("merge", lambda: kern.merge(ws.m, ws.l, ws.o, ws.z_own, out, ws.z_att, sigma, FP64_SUM_DOWN,
+                                               launch)))
+    return stages
 
 
 def _flags(ws: GpuWorkspace, lists: SurvivorLists, config, h_kv: int) -> None:

@@ -239,10 +239,16 @@ class TritonTiledDecode(DecodeImplementation):
             ws = self.workspace.view(batch)
             keep = torch.zeros(batch, heads, ws.page_table.shape[1] * self.config.page_size, dtype=torch.int8,
                                device=q.device)
-        tiled_step(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
+        for _, stage in self.stages(q, k_cache, v_cache, ws, store, sigma, out, keep):
+            stage()
         counted = tiled_stats(ws, heads, self.config) if stats or attended else None
         masks = attended_masks(keep, ws.seq_lens) if attended else None
         return DecodeResult(out, counted, masks)
+
+
+    def stages(self, q, k_cache, v_cache, ws: TiledWorkspace, store, sigma: float, out, keep) -> list:
+        """The step as named stages ``[(name, fn)]`` (``tiled_stages``)."""
+        return tiled_stages(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
 
 
 def tiled_step(q, k_cache, v_cache, ws: TiledWorkspace, store, sigma: float, config: LouverConfig,

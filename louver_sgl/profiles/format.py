@@ -213,8 +213,20 @@ def check_config_overrides(config: Mapping[str, Any], where: str = "") -> None:
         raise ProfileError(f"profile{where}: invalid config ({exc})") from exc
 
 
+STRING_LAUNCH = ("cuda_decode",)  # launch values that are names
+
+
 def check_launch(launch: Mapping[str, Any], where: str = "") -> None:
-    """Launch parameters are named finite numbers (their ranges are checked by ``ServingOptions``)."""
+    """Launch parameters are named finite numbers, or names (``cuda_decode``); a CUDA profile's
+    may also hold one object of numbers per implementation and a list of dispatch rules (their
+    ranges and fields are checked by ``ServingOptions``, ``TritonLaunch`` and ``decode.dispatch``)."""
     for name, value in launch.items():
+        if name in STRING_LAUNCH and isinstance(value, str) and value.strip():
+            continue
+        if isinstance(value, Mapping):
+            check_launch(value, f"{where} (launch.{name})")
+            continue
+        if isinstance(value, list) and all(isinstance(rule, Mapping) for rule in value):
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ProfileError(f"profile{where}: launch.{name} must be a finite number, got {value!r}")

@@ -20,6 +20,8 @@ test holds the shipped files equal to what this rule derives.
 
 from __future__ import annotations
 
+import json
+
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -72,9 +74,10 @@ def _choose(name: str, values: Sequence[Any]) -> Any:
     going to the earliest; the largest for the knobs of ``LARGEST``."""
     if name in LARGEST:
         return max(values)
-    counts = Counter(values)
+    key = lambda v: json.dumps(v, sort_keys=True)  # noqa: E731  (objects and lists count by content)
+    counts = Counter(key(v) for v in values)
     top = max(counts.values())
-    return next(v for v in values if counts[v] == top)
+    return next(v for v in values if counts[key(v)] == top)
 
 
 def generic_profiles(tuned: Sequence[Profile]) -> dict[str, Profile]:

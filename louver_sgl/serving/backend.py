@@ -139,9 +139,9 @@ class LouverAttnBackend(AttentionBackend):
             from .cpu_path import CpuDecodePath
 
             return CpuDecodePath(self.config, self.serving, shapes, state)
-        from .cuda_path import CudaDecodePath, cuda_launch
+        from .cuda_path import CudaDecodePath, cuda_launch_section
 
-        return CudaDecodePath(self.config, cuda_launch(self.selection.profile),
+        return CudaDecodePath(self.config, cuda_launch_section(self.selection.profile),
                               int(model_runner.model_config.context_len), shapes, self.device,
                               impl=self.serving.cuda_decode, state=state)
 

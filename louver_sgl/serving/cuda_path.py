@@ -7,7 +7,9 @@ the graphs' largest batch), the page a decode step completes is built by a fixed
 (placeholder ids are skipped), and the decode kernels read the sequence lengths on the device.
 Nothing reads a device value on the host, so the same calls run eagerly and under capture.
 Batches outside the graphs (eager forwards, larger batches) plan into a second wrapper whose
-workspace grows as needed, so the graphs' buffers never move.
+workspace grows as needed, so the graphs' buffers never move. With ``cuda_decode=auto`` the
+implementation of each batch size comes from the CUDA profile's dispatch rules
+(``decode.dispatch``); a graph captured for a batch size keeps that choice.
 
 Telemetry follows the same rule: each step's statistics and the pages it builds are summed on
 the device (``DeviceCounts``) and read on the host only when the telemetry is read, at the start
@@ -17,8 +19,8 @@ statistics file. The index's built-page mask is kept by the same device ops.
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from typing import Any, Mapping
 
 import torch
 
@@ -29,17 +31,24 @@ from louver_kernels.triton.launch import TritonLaunch
 
 from ..config import LouverConfig
 from ..decode import DecodeResult, HeadShapes, LouverDecode
+from ..decode import dispatch
 from ..index.store import PageIndexStore
 from .decode_path import DecodeForward, DecodePath, ServingState
 from .telemetry import DeviceCounts
 
 
-def cuda_launch(profile) -> TritonLaunch:
-    """Triton launch parameters from a CUDA profile's launch section (defaults without one)."""
+def cuda_launch_section(profile) -> dict[str, Any]:
+    """The kernel part of a CUDA profile's launch section (shared fields, per-implementation
+    objects, dispatch rules; empty without one)."""
     if profile is None or profile.target != "cuda":
-        return TritonLaunch()
-    known = {f.name for f in dataclasses.fields(TritonLaunch)}  # the rest are serving options
-    return TritonLaunch.from_dict({k: v for k, v in profile.launch.items() if k in known})
+        return {}
+    known = dispatch.kernel_keys()  # the rest are serving options
+    return {k: v for k, v in profile.launch.items() if k in known}
+
+
+def cuda_launch(profile, impl: str = "triton") -> TritonLaunch:
+    """``impl``'s Triton launch parameters from a CUDA profile (defaults without one)."""
+    return dispatch.launch_for(cuda_launch_section(profile), impl)
 
 
 class CudaDecodePath(DecodePath):
@@ -51,15 +60,24 @@ class CudaDecodePath(DecodePath):
 
     graph_capturable = True
 
-    def __init__(self, config: LouverConfig, launch: TritonLaunch, max_context: int, shapes: HeadShapes,
-                 device, impl: str = "triton", state: ServingState | None = None) -> None:
+    def __init__(self, config: LouverConfig, launch: TritonLaunch | Mapping[str, Any], max_context: int,
+                 shapes: HeadShapes, device, impl: str = "triton", state: ServingState | None = None) -> None:
+        """``launch``: one ``TritonLaunch`` for every implementation, or a CUDA profile's launch
+        section (``cuda_launch_section``: per-implementation launches and dispatch rules).
+        ``impl``: an implementation, or ``auto`` (the section's rules choose per batch size)."""
         if not config.grid_codes:
             raise ValueError("the CUDA decode path runs the grid family")
-        self.config, self.launch, self.shapes, self.impl = config, launch, shapes, impl
+        self.config, self.shapes, self.impl = config, shapes, impl
+        self.section = None if isinstance(launch, TritonLaunch) else dict(launch)
+        self.single_launch = launch if isinstance(launch, TritonLaunch) else None
+        self.rules = dispatch.parse_rules(self.section)
+        self.max_context = max_context
         self.page_size = config.page_size
         self.max_pages = math.ceil(max_context / self.page_size)
         self.device = torch.device(device)
-        self.eager = LouverDecode(config, self.device, impl=impl, launch=launch, shapes=shapes)
+        self.eagers: dict[str, LouverDecode] = {}
+        self.graphs: dict[str, LouverDecode] = {}
+        self.eager = self._eager(self.implementation(1))
         self.graph: LouverDecode | None = None
         self.active = self.eager
         self.build_ids: torch.Tensor | None = None
@@ -124,11 +142,30 @@ class CudaDecodePath(DecodePath):
 
     # ----- batch-level steps ---------------------------------------------------------------------
 
+    def implementation(self, batch: int) -> str:
+        """The implementation a batch of ``batch`` requests runs."""
+        if self.impl != "auto":
+            return self.impl
+        rows = batch * self.shapes.num_kv_heads
+        return dispatch.choose(self.rules, self.config.threshold.kind, rows, self.max_context)
+
+    def launch(self, impl: str) -> TritonLaunch:
+        return self.single_launch or dispatch.launch_for(self.section, impl)
+
+    def _eager(self, impl: str) -> LouverDecode:
+        if impl not in self.eagers:
+            self.eagers[impl] = LouverDecode(self.config, self.device, impl=impl, launch=self.launch(impl),
+                                             shapes=self.shapes)
+        return self.eagers[impl]
+
     def init_graph_state(self, max_bs: int) -> None:
-        """The graph wrapper for batches up to ``max_bs`` (its workspace allocated here, once)."""
+        """The graph wrappers for batches up to ``max_bs``, one per implementation some batch size
+        runs (their workspaces allocated here, once)."""
         if self.graph is None or self.graph.impl.capacity.max_batch < max_bs:
-            self.graph = LouverDecode(self.config, self.device, impl=self.impl, launch=self.launch,
-                                      shapes=self.shapes, max_batch=max_bs, max_pages=self.max_pages)
+            self.graphs = {impl: LouverDecode(self.config, self.device, impl=impl, launch=self.launch(impl),
+                                              shapes=self.shapes, max_batch=max_bs, max_pages=self.max_pages)
+                           for impl in sorted({self.implementation(bs) for bs in range(1, max_bs + 1)})}
+            self.graph = self.graphs[self.implementation(max_bs)]
             self.build_ids = torch.full((max_bs,), -1, dtype=torch.int64, device=self.device)
 
     def plan_batch(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -142,9 +179,11 @@ class CudaDecodePath(DecodePath):
         Returns the batch size.
         """
         bs = seq_lens.shape[0]
+        impl = self.implementation(bs)
         if in_graph:
             self.init_graph_state(bs)
-        self.active = self.graph if in_graph else self.eager
+            self.graph = self.graphs[impl]
+        self.active = self.graph if in_graph else self._eager(impl)
         size = self.page_size
         first_slots = req_to_token[req_pool_indices.long(), : self.max_pages * size : size]
         self.active.plan(torch.div(first_slots, size, rounding_mode="floor"), seq_lens)
@@ -169,7 +208,7 @@ class CudaDecodePath(DecodePath):
             raise ValueError("the Triton page build writes token-layout codes; make the store with code_layout='token'")
         t = store.tensors
         grid_build(k_buffer, ids, t["lo"], t["scale"], t["radius"], t["codes"], self.page_size,
-                   self.config.grid_bits, self.launch)
+                   self.config.grid_bits, self.active.impl.launch)
         return done
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, store: PageIndexStore,

@@ -74,11 +74,11 @@ def profile_values(profile: Profile) -> dict[str, Any]:
     """A profile's config and launch values as options; launch keys must be ServingOptions fields."""
     launch_keys = {f.name for f in dataclasses.fields(ServingOptions)}
     kernel_keys = set()
-    if profile.target == "cuda":  # Triton launch parameters, read by the CUDA decode path
-        from louver_kernels.triton.launch import TritonLaunch
+    if profile.target == "cuda":  # Triton launch parameters and dispatch rules, read by the CUDA decode path
+        from ..decode import dispatch
 
-        kernel_keys = {f.name for f in dataclasses.fields(TritonLaunch)}
-        TritonLaunch.from_dict({k: v for k, v in profile.launch.items() if k in kernel_keys})
+        kernel_keys = dispatch.kernel_keys()
+        dispatch.check_section({k: v for k, v in profile.launch.items() if k in kernel_keys})
     unknown = sorted(set(profile.launch) - launch_keys - kernel_keys)
     if unknown:
         raise ProfileError(f"profile {profile.path or profile.device_name}: unknown launch parameters "

@@ -88,3 +88,35 @@ def test_build_completed_builds_only_finished_pages():
     ref = grid.build_grid(k.cpu().view(-1, P, 2, 64)[[page]], 8, torch.float16)
     assert torch.equal(store.tensors["lo"][page].cpu(), ref["lo"][0])
     assert torch.equal(store.tensors["codes"].view(-1, P, 2, 64)[page].cpu(), ref["codes"][0])
+
+
+def test_auto_dispatch_chooses_per_batch_size_with_each_implementations_launch():
+    """``cuda_decode=auto``: the launch section's rules choose per batch size (a graph captured
+    for a batch size keeps its choice); each implementation runs with its own launch fields and
+    gives the step its own kernels compute."""
+    config = LouverConfig(page_size=P, policy="budget", budget=0.2, sample_size=32)
+    section = {"pages_per_split": 4, "triton_tiled": {"tile_pages": 2},
+               "cuda_dispatch": [{"impl": "triton_tiled", "min_rows": 6}]}
+    path = CudaDecodePath(config, section, 256, HeadShapes(6, 2, 64, 64), DEVICE, impl="auto")
+    assert [path.implementation(bs) for bs in (1, 2, 3, 8)] == ["triton", "triton", "triton_tiled", "triton_tiled"]
+    path.init_graph_state(4)
+    assert set(path.graphs) == {"triton", "triton_tiled"}
+    assert path.graphs["triton_tiled"].impl.launch.tile_pages == 2
+    assert path.graphs["triton"].impl.launch.pages_per_split == 4
+    lens = torch.tensor([200, 33, 129], dtype=torch.int32, device=DEVICE)
+    k, v, req_to_token, rows = _pool(lens.tolist())
+    store = PageIndexStore(config, k.shape[0] // P, 2, 64, torch.float16, device=DEVICE, code_layout="token")
+    store.build_pages(k.cpu(), torch.arange(store.num_pages)) if DEVICE == "cpu" else \
+        store.build_pages(k, torch.arange(store.num_pages, device=DEVICE))
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    for in_graph in (True, False):
+        path.plan_batch(req_to_token, rows, lens, in_graph=in_graph)
+        assert path.active.impl_name == "triton_tiled"
+        out = torch.empty_like(q)
+        path.decode(q, k, v, store, 0.125, out)
+        table = (req_to_token[rows.long(), ::P] // P).int()
+        direct, _ = louver_decode(q, k, v, table, lens, store, 0.125, config, impl="triton_tiled",
+                                  launch=TritonLaunch(pages_per_split=4, tile_pages=2))
+        torch.testing.assert_close(out, direct, atol=0, rtol=0)
+    path.plan_batch(req_to_token, rows[:2], lens[:2], in_graph=True)
+    assert path.active.impl_name == "triton"

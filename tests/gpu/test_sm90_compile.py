@@ -36,6 +36,7 @@ def test_every_kernel_compiles_for_sm90_with_the_gpu_machines_triton(tmp_path):
     assert result["triton"] == "3.6.0" and result["arch"] == 90 and not result["failures"]
     names = {row["kernel"] for row in result["compiled"]}
     for kernel in ("_exact_part_kernel", "_certified_hist_kernel", "_certified_threshold_kernel", "_attend_kernel",
-                   "_merge_kernel", "_filter_kernel", "_attend_survivors_kernel", "_grid_build_kernel"):
+                   "_merge_kernel", "_filter_kernel", "_attend_survivors_kernel", "_grid_build_kernel",
+                   "_tile_filter_kernel", "_compact_kernel", "_window_threshold_kernel", "_tiled_attend_kernel"):
         assert kernel in names, kernel
     assert all(row["cubin_bytes"] > 0 and row["target"] == "cuda:90" for row in result["compiled"])
