@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on a CUDA machine: the Triton kernel tests natively (bf16 included),
-# exactness on a captured trace, CUDA-graph replay of the louver step, and latency against
-# FlashInfer, SGLang's Triton decode and torch SDPA at 8K/32K/128K tokens, batch 1/8/32, SmolLM2
-# and Llama-3-8B shapes. Prepare `.gpu_carry/` first where pip works:
+# The GPU check, in one call on a CUDA machine: first the stage table (every kernel of every
+# implementation timed alone, with its bytes and its floor at FlashInfer's bandwidth, and the
+# speed-of-light rows: benchmarks/gpu_stages.py), then the Triton kernel tests natively (bf16
+# included), exactness on a captured trace, CUDA-graph replay of the louver step, and latency
+# against FlashInfer, SGLang's Triton decode and torch SDPA. GPU_STAGES_ONLY=1: the stage table
+# alone. Prepare `.gpu_carry/` first where pip works:
 #     python -m benchmarks.gpu_prepare
 # Then, on the GPU machine, from the repository root:
 #     bash benchmarks/gpu_check.sh [extra gpu_bench.py options]
@@ -23,7 +25,15 @@ if ls $CARRY/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/louver_site $CARRY/whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/louver_site"
   export MAX_JOBS=12
-  (timeout 420 python3 -m benchmarks.gpu_flashinfer_warm "$CARRY/trace.pt" > "$OUT/flashinfer_build.log" 2>&1 &)
+  # FlashInfer's JIT build before the stage table, whose floors are at FlashInfer's bandwidth
+  timeout 420 python3 -m benchmarks.gpu_flashinfer_warm "$CARRY/trace.pt" > "$OUT/flashinfer_build.log" 2>&1
+  tail -3 "$OUT/flashinfer_build.log"
+fi
+python3 -m benchmarks.gpu_bench --trace "$CARRY/trace.pt" --out "$OUT/gpu_stages.json" --stages-only "$@" 2>&1 \
+  | tee "$OUT/gpu_stages.log"
+stages_rc=${PIPESTATUS[0]}
+if [ "${GPU_STAGES_ONLY:-0}" = 1 ]; then
+  exit "$stages_rc"
 fi
 tests_rc=0
 if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then  # GPU_SKIP_TESTS=1: timings only, for a rerun
@@ -32,6 +42,6 @@ if [ "${GPU_SKIP_TESTS:-0}" != 1 ]; then  # GPU_SKIP_TESTS=1: timings only, for 
 fi
 python3 -m benchmarks.gpu_bench --trace "$CARRY/trace.pt" --out "$OUT/gpu_bench.json" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
-cat "$OUT/flashinfer_build.log" 2>/dev/null | tail -5
-echo "kernel tests rc=$tests_rc benchmark rc=$bench_rc"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+echo "stage table rc=$stages_rc kernel tests rc=$tests_rc benchmark rc=$bench_rc"
+grep -A200 "^stage table" "$OUT/gpu_stages.log" | head -80  # the table once more, last
+exit $(( stages_rc != 0 || tests_rc != 0 || bench_rc != 0 ))
