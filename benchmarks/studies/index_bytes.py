@@ -17,11 +17,12 @@ Designs (all sound in floating point; design notes, "Index designs by bytes move
 * ``grid{8,4}-p{64,128}``: today's grid, the kernels' int8 token bounds;
 * ``tier{B}-grid8-p64``: a per-block channel min/max (fp16, rounded outward) over blocks of B
   tokens bounds each block; the 8-bit codes are read only for blocks whose bound reaches T;
-* ``split4+4-p64``: the 8-bit grid's codes stored as two nibble planes; the high nibbles alone
-  bound each token by its 16-level cell (center lo + (16·hi + 8)·scale, half-width 7.5·scale +
-  radius), and the low nibbles (the 8-bit bound) are read only for tokens whose coarse bound
-  reaches the gate; certified steps count a token below the gate's lowest level by its coarse
-  bound (as a one-pass kernel would: ``triton_tiled``'s window from the safe level);
+* ``split{a}+{b}(+{c})-p{64,128}``: the 8-bit grid's codes stored as bit planes (high bits
+  first); a prefix of planes bounds each token by its cell (e.g. the high nibble: center
+  lo + (16·hi + 8)·scale, half-width 7.5·scale + radius), and the next plane is read only for
+  tokens whose bound so far reaches the gate, the last giving the 8-bit bound; certified steps
+  count a token below the gate's lowest level by its bound so far (as a one-pass kernel would:
+  ``triton_tiled``'s window from the safe level);
 * ``lowrank{r}-p64``: per (layer, KV head) a projection P (the top-r eigenvectors of the keys'
   second moment, calibrated on *another* trace) with an 8-bit grid over the projected keys and,
   per token, ‖k − PᵀPk‖ and ‖P(k − PᵀPk)‖ + ‖Pk − k̃‖ rounded up (fp16), so that
@@ -53,13 +54,17 @@ from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
+from louver_sgl.index.bound_designs import (
+    block_minmax, block_minmax_bounds, calibrate_projection, lowrank_bounds, lowrank_terms, nibble_coarse_bounds,
+    project_queries,
+)
+from louver_sgl.index.grid import unpack_codes
 
 # the designs the kernels run today (a grid of 8 or 4 bits; GPU: 8-bit, page 64)
 SHIPPED = {"grid8-p64": ["gpu (nvidia_h200.json, defaults)"], "grid4-p128": ["cpu (cpu_amd_epyc_avx2/avx512.json)"],
            "grid4-p64": ["cpu (cpu_amd_epyc_avx2.float32.json)"],
            "grid8-p128": ["cpu (cpu_intel_r_xeon_r_processor_avx512.float32.json)"]}
 POLICIES = (("budget0.05", None), ("certified1e-2", 1e-2), ("certified1e-3", 1e-3))
-FP16_MAX = 65504.0
 
 
 @dataclass
@@ -93,9 +98,11 @@ def grid_bounds(keys, q, page_size: int, bits: int, idx) -> Bounds:
                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim * bits / 8)
 
 
-def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64) -> Bounds:
-    """The 8-bit grid read in two nibble planes (module docstring): token bounds are the coarse
-    (high-nibble) ones, refined by ``grid``'s 8-bit ones; ``coarse`` marks what a step reads."""
+def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64, planes: tuple[int, ...] = (4, 4)) -> Bounds:
+    """The 8-bit grid's codes stored as bit planes of widths ``planes`` (high bits first): each
+    prefix of planes bounds a token by its cell (``bound_designs.nibble_coarse_bounds``); a step
+    reads the next plane only for tokens whose bound so far reaches the gate, and the last gives
+    ``grid``'s 8-bit bound. ``prefixes`` holds the bounds after each plane but the last."""
     config = LouverConfig(page_size=page_size, grid_bits=8)
     h_kv, dim = keys.shape[1], keys.shape[2]
     groups = q.shape[0] // h_kv
@@ -103,19 +110,18 @@ def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64) -> Bounds:
     store.build_pages(keys[: idx.stop * page_size], torch.arange(idx.stop))
     ids = torch.arange(idx.start, idx.stop)
     t = store.tensors
-    lo, sc, rad = (t[n][ids].double() for n in ("lo", "scale", "radius"))  # [pages, H_kv, D]
-    hi = (store.page_codes(ids).long() >> 4).double()  # [pages, P, H_kv, D]
-    center = lo[:, None] + (16 * hi + 8) * sc[:, None]
-    half = 7.5 * sc.abs() + rad  # [pages, H_kv, D]
-    qh = q.double().view(h_kv, groups, dim)
-    dots = torch.einsum("npkd,kgd->npkg", center, qh)
-    mags = torch.einsum("npkd,kgd->npkg", center.abs(), qh.abs())
-    widths = torch.einsum("nkd,kgd->nkg", half, qh.abs())[:, None]
-    # fp64 sums of D exact-ish terms: errs by < 1e-13 of their magnitudes
-    coarse = (dots + widths + (mags + widths) * 1e-13).reshape(len(ids), page_size, -1)
-    bound = Bounds(grid.unit_bound, torch.minimum(grid.token_bound.double(), coarse), page_size,
-                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim / 2)
-    bound.coarse = torch.minimum(coarse, grid.unit_bound.double()[:, None])
+    codes = unpack_codes(store.page_codes(ids), 8)
+    prefixes, low = [], 8
+    for width in planes[:-1]:
+        low -= width
+        u = nibble_coarse_bounds(q.view(h_kv, groups, dim), t["lo"][ids], t["scale"][ids], t["radius"][ids], codes,
+                                 low_bits=low).reshape(len(ids), page_size, -1)
+        prefixes.append(torch.minimum(torch.minimum(u, grid.unit_bound.double()[:, None]),
+                                      prefixes[-1] if prefixes else u))
+    bound = Bounds(grid.unit_bound, torch.minimum(grid.token_bound.double(), prefixes[-1]), page_size,
+                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim * planes[0] / 8)
+    bound.prefixes, bound.plane_bytes = prefixes, [dim * w / 8 for w in planes[1:]]
+    bound.coarse = prefixes[0]
     return bound
 
 
@@ -125,74 +131,30 @@ def tier_bounds(keys, q, block: int, idx, grid: Bounds, page_size: int = 64) -> 
     (and its page's grid terms) are read only where its bound reaches T."""
     h_kv, dim = keys.shape[1], keys.shape[2]
     groups = q.shape[0] // h_kv
-    k = keys[idx.start * page_size: idx.stop * page_size].double()  # [n, H_kv, D]
-    nb = k.shape[0] // block
-    kb = k.view(nb, block, h_kv, dim)
-    lo = _round_to_fp16(kb.amin(1), down=True)
-    hi = _round_to_fp16(kb.amax(1), down=False)
-    qh = q.double().view(h_kv, groups, dim)
-    terms = torch.maximum(torch.einsum("bkd,kgd->bkgd", lo, qh), torch.einsum("bkd,kgd->bkgd", hi, qh))
-    # the products are exact in fp64 (fp16 × fp32); the sum of D terms errs by < D·2^-53·Σ|terms|
-    bound = terms.sum(-1) + terms.abs().sum(-1) * 1e-13 + 1e-300
+    lo, hi = block_minmax(keys[idx.start * page_size: idx.stop * page_size], block)
+    nb = lo.shape[0]
+    bound = block_minmax_bounds(q.view(h_kv, groups, dim), lo, hi)
     block_bound = bound.reshape(nb, -1)
     tok = grid.token_bound.reshape(nb, block, -1).double()
     return Bounds(block_bound, torch.minimum(tok, block_bound[:, None]), block, index_bytes_per_unit=2 * dim * 2,
                   code_bytes_per_token=dim, extra_bytes_per_read_unit=3 * dim * 2, units_per_extra=page_size // block)
 
 
-def _round_to_fp16(x: torch.Tensor, down: bool) -> torch.Tensor:
-    """fp64 ``x`` to the nearest fp16 value on the safe side (below for ``down``), as fp64."""
-    y = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).double()
-    step = torch.nextafter(y.to(torch.float16), torch.full_like(y, -math.inf if down else math.inf,
-                                                                dtype=torch.float16)).double()
-    wrong = (y > x) if down else (y < x)
-    return torch.where(wrong, step, y)
-
-
-def calibrate(keys: torch.Tensor, rank: int) -> torch.Tensor:
-    """P ``[H_kv, r, D]`` fp32: per KV head the top-``rank`` eigenvectors of Σ k kᵀ."""
-    k = keys.double()
-    second = torch.einsum("nhd,nhe->hde", k, k)
-    _, vecs = torch.linalg.eigh(second)
-    return vecs[..., -rank:].transpose(1, 2).float().contiguous()
-
-
-def lowrank_bounds(keys, q, proj: torch.Tensor, idx, page_size: int = 64) -> Bounds:
-    """The low-rank design (module docstring): an 8-bit grid over k̃ = fp32(Pk) and per token
-    ‖k_R‖ and δ_k rounded up to fp16."""
+def lowrank_design(keys, q, proj: torch.Tensor, idx, page_size: int = 64) -> Bounds:
+    """The low-rank design (``bound_designs.lowrank_bounds``): an 8-bit grid over k̃ and per
+    token ‖k_R‖ and δ_k in fp16."""
     h_kv, dim = keys.shape[1], keys.shape[2]
     rank = proj.shape[1]
     groups = q.shape[0] // h_kv
-    k64 = keys[: idx.stop * page_size].double()
-    p64 = proj.double()
-    kt = torch.einsum("hrd,nhd->nhr", proj, keys[: idx.stop * page_size].float())  # stored k̃ (fp32)
-    pk = torch.einsum("hrd,nhd->nhr", p64, k64)
-    k_res = k64 - torch.einsum("hrd,nhr->nhd", p64, pk)
-    r_k = _round_to_fp16(k_res.norm(dim=-1) * (1 + 1e-12), down=False)
-    delta = (torch.einsum("hrd,nhd->nhr", p64, k_res).norm(dim=-1) + (pk - kt.double()).norm(dim=-1)) * (1 + 1e-12)
-    delta = _round_to_fp16(delta, down=False)
-    low = grid_bounds(kt, _project_queries(q, proj), page_size, 8, idx)  # bounds of fp32(Pq)·k̃
-    q64 = q.double().view(h_kv, groups, dim)
-    pq = torch.einsum("hrd,hgd->hgr", p64, q64)
-    q_res = (q64 - torch.einsum("hrd,hgr->hgd", p64, pq)).norm(dim=-1) * (1 + 1e-12)  # [H_kv, G]
-    pq32 = _project_queries(q, proj).double().view(h_kv, groups, rank)
-    q_err = (pq - pq32).norm(dim=-1) * (1 + 1e-12)  # the fp32 query's error against Pq
-    kt_norm = kt.double().norm(dim=-1)  # [n, H_kv]
+    kt, r_k, delta = lowrank_terms(keys[: idx.stop * page_size], proj)
+    low = grid_bounds(kt, project_queries(q.view(h_kv, groups, dim), proj).reshape(q.shape[0], -1), page_size, 8, idx)
     n0, n1 = idx.start * page_size, idx.stop * page_size
-    add = (r_k[n0:n1, :, None] * q_res[None] + delta[n0:n1, :, None] * pq.norm(dim=-1)[None]
-           + kt_norm[n0:n1, :, None] * q_err[None])  # [n, H_kv, G]
     pages = idx.stop - idx.start
-    add = add.reshape(pages, page_size, -1)
-    tok = low.token_bound.double() + add
-    page = low.unit_bound.double() + add.amax(1)
+    tok = lowrank_bounds(q.view(h_kv, groups, dim), proj, low.token_bound.reshape(-1, h_kv, groups), kt[n0:n1],
+                         r_k[n0:n1], delta[n0:n1]).reshape(pages, page_size, -1)
+    page = torch.maximum(low.unit_bound.double(), tok.amax(1))  # at least every token's bound
     return Bounds(page, torch.minimum(tok, page[:, None]), page_size, index_bytes_per_unit=3 * rank * 2 + 4,
                   code_bytes_per_token=rank + 4)
-
-
-def _project_queries(q, proj):
-    h_kv = proj.shape[0]
-    groups = q.shape[0] // h_kv
-    return torch.einsum("hrd,hgd->hgr", proj, q.float().view(h_kv, groups, -1)).reshape(q.shape[0], -1)
 
 
 def step_bytes(b: Bounds, keep_unit, union, scores_idx, t, dense_tokens, n_tokens, sample, dim, groups):
@@ -240,18 +202,20 @@ def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: i
             t = th.budget_threshold(s32[:, sample].t()[None], torch.tensor([len(sample)]), 0.05)[0]
         else:
             token_bound = bounds.token_bound
-            coarse = getattr(bounds, "coarse", None)
-            if coarse is not None:  # refined only at or above the window's lowest level
+            prefixes = getattr(bounds, "prefixes", None)
+            if prefixes is not None:  # a plane is read only at or above the window's lowest level
                 t_lo = _window_floor(ref, z_lb, len(idx_pos), sigma, eps)
-                token_bound = torch.where(coarse >= t_lo, bounds.token_bound, coarse)
+                token_bound = bounds.token_bound
+                for prefix in reversed(prefixes):
+                    token_bound = torch.where(prefix >= t_lo, token_bound, prefix)
             page_req = torch.zeros(bounds.unit_bound.shape[0], dtype=torch.long)
             t = th.certified_choice(bounds.unit_bound.float(), token_bound.float(), page_req, ref[None],
                                     z_lb[None], sigma, eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)[0][0]
         keep_unit = ~(bounds.unit_bound < t)  # [U, H]
         keep_tok = keep_unit[:, None] & ~(bounds.token_bound < t)  # [U, unit, H]
-        fine_read = None
-        if getattr(bounds, "coarse", None) is not None:  # low nibbles read where the coarse bound reaches T
-            fine_read = (keep_unit[:, None] & ~(bounds.coarse < t)).reshape(-1, keep_tok.shape[-1])
+        plane_reads = []  # (tokens reading a plane, its bytes): where the bound so far reaches T
+        for prefix, nbytes in zip(getattr(bounds, "prefixes", []), getattr(bounds, "plane_bytes", [])):
+            plane_reads.append(((keep_unit[:, None] & ~(prefix < t)).reshape(-1, keep_tok.shape[-1]), nbytes))
         keep = keep_tok.reshape(-1, keep_tok.shape[-1]).t()  # [H, n_idx]
         union = keep.view(h_kv, groups, -1).any(1)  # [H_kv, n_idx]
         reach = ~(s_idx < t.double()[:, None])
@@ -263,8 +227,8 @@ def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: i
             oracle = oracle_keep(c, eps).t().reshape(h_kv, groups, -1).any(1)
         moved, dense_bytes = step_bytes(bounds, keep_unit, union.t(), s_idx.t().float(),
                                         t if eps is None else None, float(dense.sum()), n, len(sample), dim, groups)
-        if fine_read is not None:
-            moved += float(fine_read.view(-1, h_kv, groups).any(-1).sum()) * dim / 2
+        for reads, nbytes in plane_reads:
+            moved += float(reads.view(-1, h_kv, groups).any(-1).sum()) * nbytes
         out[policy] = dict(moved=moved, dense=dense_bytes, kept=int(union.sum()), oracle=int(oracle.sum()),
                            recall_ok=recall_ok)
     return out
@@ -284,10 +248,13 @@ def designs_for(keys, q, idx64, idx128, projections: dict) -> dict[str, tuple[Bo
         out[f"grid{bits}-p64"] = (grid_bounds(keys, q, 64, bits, idx64), idx64, 64)
         out[f"grid{bits}-p128"] = (grid_bounds(keys, q, 128, bits, idx128), idx128, 128)
     out["split4+4-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0]), idx64, 64)
+    out["split4+4-p128"] = (split_bounds(keys, q, idx128, out["grid8-p128"][0], 128), idx128, 128)
+    out["split2+2+4-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0], planes=(2, 2, 4)), idx64, 64)
+    out["split3+5-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0], planes=(3, 5)), idx64, 64)
     for block in (8, 16, 32):
         out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, out["grid8-p64"][0]), idx64, 64)
     for rank, proj in projections.items():
-        out[f"lowrank{rank}-p64"] = (lowrank_bounds(keys, q, proj, idx64), idx64, 64)
+        out[f"lowrank{rank}-p64"] = (lowrank_design(keys, q, proj, idx64), idx64, 64)
     return out
 
 
@@ -297,7 +264,7 @@ def measure_trace(path: Path, calibration: Path, ranks, stride: int) -> dict:
     totals: dict[tuple[str, str], dict] = {}
     for layer in sorted(trace["keys"]):
         keys, queries = trace["keys"][layer], trace["queries"][layer]
-        projections = {r: calibrate(calib["keys"][layer], r) for r in ranks}
+        projections = {r: calibrate_projection(calib["keys"][layer], r) for r in ranks}
         for qi, pos in list(enumerate(trace["query_positions"].tolist()))[::stride]:
             k = keys[: pos + 1]
             idx64 = split_pages(pos + 1, LouverConfig(page_size=64))[1]
