@@ -1,0 +1,65 @@
+"""The docs table and plot of ``index_bytes.py``'s results (``benchmarks/results/index_bytes.json``).
+
+    python -m benchmarks.studies.index_bytes_report --plot docs/img/index_bytes.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+POLICIES = ("budget0.05", "certified1e-2", "certified1e-3")
+
+
+def markdown(rows: list[dict], traces: list[str]) -> str:
+    designs = list(dict.fromkeys(r["design"] for r in rows))
+    cell = {(r["design"], r["trace"], r["policy"]): r for r in rows}
+    head = "| design | " + " | ".join(f"{t} {p}" for t in traces for p in POLICIES) + " |"
+    lines = [head, "|" + "---|" * (1 + len(traces) * len(POLICIES))]
+    for d in designs:
+        shipped = " (shipped)" if any(r["shipped"] for r in rows if r["design"] == d) else ""
+        vals = [cell.get((d, t, p)) for t in traces for p in POLICIES]
+        text = [f"{v['bytes_fraction']:.3f} ({v['kept_over_oracle']:.2f}x)" if v else "-" for v in vals]
+        lines.append(f"| `{d}`{shipped} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], traces: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    designs = [d for d in dict.fromkeys(r["design"] for r in rows) if not d.startswith("lowrank")]
+    fig, axes = plt.subplots(1, len(POLICIES), figsize=(5 * len(POLICIES), 4), sharey=True)
+    colors = plt.get_cmap("tab20")
+    for ax, policy in zip(axes, POLICIES):
+        for i, d in enumerate(designs):
+            xs = [r["kept_over_oracle"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
+            ys = [r["bytes_fraction"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
+            ax.scatter(xs, ys, label=d, color=colors(i), marker="*" if d.startswith("split") else "o", s=60)
+        ax.set_title(policy)
+        ax.set_xlabel("union candidates / oracle's")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("bytes per step / dense bf16 K+V")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("Index designs on " + ", ".join(traces) + " (low-rank off the chart: 6-11x the oracle)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="benchmarks/results/index_bytes.json")
+    parser.add_argument("--traces", nargs="+", default=["bible_32768", "paul_graham_32768"])
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    rows = json.loads(Path(args.results).read_text())["rows"]
+    print(markdown(rows, args.traces))
+    if args.plot:
+        plot(rows, args.traces, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()
