@@ -160,24 +160,24 @@ class TritonPlan:
         return self.workspace.seq_lens
 
 
-class TritonDecode(DecodeImplementation):
-    """The Triton kernels (grid family, token-layout codes, head dims 64 and 128) on CUDA devices,
-    or on CPU tensors under ``TRITON_INTERPRET=1`` (tests). Graph-safe: with ``shapes`` and both
-    capacities given the workspace is allocated once, ``plan`` copies into it with device ops and
-    ``run`` neither allocates nor reads the device on the host."""
+class TritonImplementation(DecodeImplementation):
+    """What the Triton implementations share: launch parameters, a workspace of
+    ``workspace_class`` (allocated once when ``shapes`` and both capacities are given, else at
+    the first run), ``plan`` by device copies into it, availability on CUDA or under the
+    interpreter. Graph-safe: ``plan`` copies with device ops and ``run`` neither allocates nor
+    reads the device on the host."""
 
-    name = "triton"
     returns_attended = True
     int8_token_bounds = True
-    one_pass_certified = False  # whether it runs the one-pass certified rule (certified_passes=1)
+    workspace_class: type = None  # GpuWorkspace or a class with its allocate / view / fits / max_*
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)
         self.launch = launch if isinstance(launch, TritonLaunch) else TritonLaunch.from_dict(launch or {})
-        self.workspace: GpuWorkspace | None = None
+        self.workspace = None
         if shapes is not None and capacity.max_batch is not None and capacity.max_pages is not None:
-            self.workspace = GpuWorkspace.allocate(capacity.max_batch, capacity.max_pages, shapes, config,
-                                                   self.launch, device)
+            self.workspace = self.workspace_class.allocate(capacity.max_batch, capacity.max_pages, shapes, config,
+                                                           self.launch, device)
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:
@@ -189,8 +189,6 @@ class TritonDecode(DecodeImplementation):
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
         if not config.grid_codes:
             cls.reject("family", config.family, "the Triton kernels read grid codes")
-        if config.threshold.one_pass and not cls.one_pass_certified:
-            cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TritonPlan:
         """Copy the batch into the workspace (device ops only: the copies are captured and replayed
@@ -204,12 +202,34 @@ class TritonDecode(DecodeImplementation):
         if ws is None or ws.max_batch < batch or ws.max_pages < pages:
             if self.shapes is None:  # allocated at the first run, which knows the shapes
                 return TritonPlan(batch, pages, _Pending(page_table, seq_lens))
-            ws = self.workspace = GpuWorkspace.allocate(batch, pages, self.shapes, self.config, self.launch,
-                                                        self.device)
+            ws = self.workspace = self.workspace_class.allocate(batch, pages, self.shapes, self.config, self.launch,
+                                                                self.device)
         view = ws.view(batch)
         view.page_table[:, :pages].copy_(page_table)
         view.seq_lens.copy_(seq_lens)
         return TritonPlan(batch, pages, view)
+
+    def _allocate_for(self, plan: "TritonPlan", q, k_cache, v_cache) -> "TritonPlan":
+        pending = plan.workspace
+        self.shapes = HeadShapes(q.shape[1], k_cache.shape[1], k_cache.shape[2], v_cache.shape[2])
+        if self.workspace is not None and not self.workspace.fits(self.shapes, self.config):
+            self.workspace = None
+        return self.plan(pending.page_table, pending.seq_lens)
+
+
+class TritonDecode(TritonImplementation):
+    """The Triton kernels (grid family, token-layout codes, head dims 64 and 128) on CUDA devices,
+    or on CPU tensors under ``TRITON_INTERPRET=1`` (tests), filter and attention fused per split."""
+
+    name = "triton"
+    workspace_class = GpuWorkspace
+    one_pass_certified = False  # whether it runs the one-pass certified rule (certified_passes=1)
+
+    @classmethod
+    def check_config(cls, config: LouverConfig, device: torch.device) -> None:
+        super().check_config(config, device)
+        if config.threshold.one_pass and not cls.one_pass_certified:
+            cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
 
     def run(self, plan: TritonPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
@@ -239,13 +259,6 @@ class TritonDecode(DecodeImplementation):
         """The step as named stages ``[(name, fn)]``, run in order; each reads what earlier ones
         wrote and overwrites its own outputs, so the benchmark can time each alone."""
         return fused_stages(q, k_cache, v_cache, ws, store, sigma, self.config, self.launch, out, keep)
-
-    def _allocate_for(self, plan: TritonPlan, q, k_cache, v_cache) -> TritonPlan:
-        pending = plan.workspace
-        self.shapes = HeadShapes(q.shape[1], k_cache.shape[1], k_cache.shape[2], v_cache.shape[2])
-        if self.workspace is not None and not self.workspace.fits(self.shapes, self.config):
-            self.workspace = None
-        return self.plan(pending.page_table, pending.seq_lens)
 
 
 @dataclass

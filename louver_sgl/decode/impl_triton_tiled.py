@@ -20,7 +20,6 @@ for a fixed batch size and page-table width.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,10 +27,10 @@ import torch
 from ..config import LouverConfig
 from ..index.store import PageIndexStore
 from .contract import (
-    BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, DecodeImplementation, DecodeResult, HeadShapes,
-    RequestLayout, StepStats,
+    BUDGET_SAFETY, EDGES, FP64_SUM_DOWN, HIST_ROUNDING, VALUE_GATE, DecodeResult, HeadShapes, RequestLayout,
+    StepStats,
 )
-from .impl_triton import _Pending, attended_masks, check_run
+from .impl_triton import TritonImplementation, TritonPlan, _Pending, attended_masks, check_run
 
 from louver_kernels.triton import grid_decode as kern  # noqa: E402 (after the project's own imports)
 from louver_kernels.triton import tiled_decode as tiled  # noqa: E402
@@ -152,81 +151,27 @@ class TiledWorkspace:
                     base=self.base)
 
 
-@dataclass
-class TiledPlan:
-    """A planned batch: ``batch`` requests copied into ``workspace`` (its ``view(batch)``)."""
-
-    batch: int
-    pages: int
-    workspace: TiledWorkspace | _Pending
-
-    @property
-    def page_table(self) -> torch.Tensor:
-        return self.workspace.page_table
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.workspace.seq_lens
-
-
-class TritonTiledDecode(DecodeImplementation):
+class TritonTiledDecode(TritonImplementation):
     """The tiled Triton kernels (grid family, token-layout codes, head dims 64 and 128) on CUDA
     devices, or on CPU tensors under ``TRITON_INTERPRET=1``. Graph-safe like ``triton``."""
 
     name = "triton_tiled"
-    returns_attended = True
-    int8_token_bounds = True
-
-    def __init__(self, config, device, launch, shapes, capacity) -> None:
-        super().__init__(config, device, launch, shapes, capacity)
-        self.launch = launch if isinstance(launch, TritonLaunch) else TritonLaunch.from_dict(launch or {})
-        self.workspace: TiledWorkspace | None = None
-        if shapes is not None and capacity.max_batch is not None and capacity.max_pages is not None:
-            self.workspace = TiledWorkspace.allocate(capacity.max_batch, capacity.max_pages, shapes, config,
-                                                     self.launch, device)
-
-    @classmethod
-    def unavailable(cls, device: torch.device) -> str | None:
-        if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-            return None
-        return "it needs a CUDA device (or CPU tensors under TRITON_INTERPRET=1, for tests)"
+    workspace_class = TiledWorkspace
 
     @classmethod
     def check_config(cls, config: LouverConfig, device: torch.device) -> None:
-        if not config.grid_codes:
-            cls.reject("family", config.family, "the Triton kernels read grid codes")
+        super().check_config(config, device)
         if config.threshold.one_pass:
             cls.reject("certified_passes", 1, "its certified step reads the codes once with the histogram rule "
                        "(certified_passes=2 names that rule)")
         if config.threshold.a_posteriori:
             cls.reject("certified_rule", "a_posteriori", "its certified step evaluates the histogram rule")
 
-    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> TiledPlan:
-        """Copy the batch into the workspace with device ops (captured with a decode graph)."""
-        if page_table.dim() != 2 or seq_lens.dim() != 1 or page_table.shape[0] != seq_lens.shape[0]:
-            raise ValueError(f"page_table must be [B, W] and seq_lens [B]; got {tuple(page_table.shape)}, "
-                             f"{tuple(seq_lens.shape)}")
-        batch, pages = page_table.shape
-        self.capacity.check(batch, pages)
-        ws = self.workspace
-        if ws is None or ws.max_batch < batch or ws.max_pages < pages:
-            if self.shapes is None:
-                return TiledPlan(batch, pages, _Pending(page_table, seq_lens))
-            ws = self.workspace = TiledWorkspace.allocate(batch, pages, self.shapes, self.config, self.launch,
-                                                          self.device)
-        view = ws.view(batch)
-        view.page_table[:, :pages].copy_(page_table)
-        view.seq_lens.copy_(seq_lens)
-        return TiledPlan(batch, pages, view)
-
-    def run(self, plan: TiledPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def run(self, plan: TritonPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
             attended: bool = False) -> DecodeResult:
         if isinstance(plan.workspace, _Pending):
-            self.shapes = HeadShapes(q.shape[1], k_cache.shape[1], k_cache.shape[2], v_cache.shape[2])
-            if self.workspace is not None and not self.workspace.fits(self.shapes, self.config):
-                self.workspace = None
-            plan = self.plan(plan.workspace.page_table, plan.workspace.seq_lens)
+            plan = self._allocate_for(plan, q, k_cache, v_cache)
         check_run(q, k_cache, v_cache, plan, store, self.config)
         batch, heads, _ = q.shape
         if out is None:
