@@ -26,6 +26,10 @@ class ServingOptions:
     """Options of the SGLang backend that are not index or threshold settings.
 
     chunk_pages: pages per split of the compiled CPU kernel (a launch parameter).
+    one_scan: certified steps of the compiled CPU kernel read the codes once (``CpuLaunch``; a
+        launch parameter).
+    residual_weights: the compiled CPU kernel's token bounds with residual int8 weights, as tight
+        as fp32 bounds for a second integer dot per token (``CpuLaunch``; a launch parameter).
     num_threads: torch threads of the CPU decode step (a launch parameter; 0: leave torch's count).
     log_interval: decode steps between telemetry log lines (0: SGLang's decode-log interval).
     huge_pages: move a CPU KV pool onto transparent huge pages at startup (~4 ms per MiB, once;
@@ -50,6 +54,8 @@ class ServingOptions:
     """
 
     chunk_pages: int = 64
+    one_scan: bool = True
+    residual_weights: bool = False
     num_threads: int = 0
     log_interval: int = 0
     huge_pages: bool = True
@@ -64,7 +70,7 @@ class ServingOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 kind = "a positive" if low else "a non-negative"
                 raise ValueError(f"{name} must be {kind} int, got {value!r}")
-        for name in ("huge_pages", "step_timing", "sleep_on_idle"):
+        for name in ("one_scan", "residual_weights", "huge_pages", "step_timing", "sleep_on_idle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extend_backend, str) or not self.extend_backend.strip():

@@ -103,13 +103,17 @@ def fp64_request(q, k, v, page_table, seq_lens, b: int, page_size: int) -> tuple
     return scores, v[slots].double().repeat_interleave(groups, 1)
 
 
-def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_bounds=False) -> list[torch.Tensor]:
+def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_bounds=False,
+                      residual=None) -> list[torch.Tensor]:
     """The keys the compiled grid step attends at ``thresholds`` ``[B, H_q]`` (no value gate): per
     request a bool mask ``[H_q, L]``, True for the dense part and, per GQA group, for every token
     of the indexed pages that some head of the group keeps by its page bound and its int8 token
     bound (``int8_token_bounds_reference``, the bounds the kernel gates with; with
     ``kernel_bounds`` the kernel's own, from the ``certified_threshold`` op: the reference's fp32
-    sums are ordered differently, so a bound within ~1e-5 of T can fall on the other side)."""
+    sums are ordered differently, so a bound within ~1e-5 of T can fall on the other side).
+    ``residual``: the step's residual int8 weights (default: ``CpuLaunch``'s)."""
+    from louver_sgl.decode.impl_cpu import CpuLaunch
+
     from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
     from louver_sgl.decode.plan import plan_decode
 
@@ -120,13 +124,14 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_boun
     plan = plan_decode(page_table, seq_lens, config)
     rows = q.float().view(q.shape[0], h_kv, groups, -1)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
+    residual = CpuLaunch().residual_weights if residual is None else residual
     if kernel_bounds:
-        page_bound, tok = _kernel_bounds(q, plan, store)
+        page_bound, tok = _kernel_bounds(q, plan, store, residual)
         page_bound, tok = page_bound.view(-1, h_kv, groups), tok.view(len(plan.page_ids), size, h_kv, groups)
     else:
         codes = store.page_codes(plan.page_ids)
         page_bound = bounds.page_bound
-        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits)  # [n, P, H_kv, G]
+        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits, residual)  # [n, P, H_kv, G]
     t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
     keep = (~(page_bound.unsqueeze(1) < t)) & ~(tok < t)
     union = keep.any(-1)  # [n, P, H_kv]
@@ -141,7 +146,7 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_boun
     return masks
 
 
-def _kernel_bounds(q, plan, store) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_bounds(q, plan, store, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled kernels' own page bounds ``[NP, H_q]`` and int8 token bounds ``[NP, P, H_q]``
     (the ``certified_threshold`` op's test outputs; its T is not used)."""
     from louver_sgl.decode import threshold as th
@@ -157,7 +162,7 @@ def _kernel_bounds(q, plan, store) -> tuple[torch.Tensor, torch.Tensor]:
         q=q.float().contiguous(), page_ids=plan.page_ids, page_req=plan.page_req, **store.tensors,
         ref=torch.zeros(batch, heads), z_lb=torch.ones(batch, heads, dtype=torch.float64), sigma=1.0,
         eps_budget=0.5, rounding=th.HIST_ROUNDING, bits=store.config.grid_bits, page_size=size,
-        **EDGES.kernel_args(), **out)
+        residual_weights=residual, **EDGES.kernel_args(), **out)
     return out["pb"], out["tok"]
 
 

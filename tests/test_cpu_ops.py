@@ -82,7 +82,7 @@ def test_attend_pass_candidate_mass_bounds_the_true_keys_mass():
     plan_tensors = dict(dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
                         sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunks[0],
                         chunk_begin=chunks[1], chunk_end=chunks[2])
-    policy = dict(sigma=0.125, budget=-1.0, t_fixed=-1e30, value_gate=False, gate_rel=VALUE_GATE.rel,
+    policy = dict(sigma=0.125, budget=-1.0, t_fixed=-1e30, value_gate=False, gate_rel=VALUE_GATE.rel, residual_weights=True,
                   bits=cfg.grid_bits, page_size=16)
     index = {n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")}
     fused = {n: t for n, t in out.named().items() if n not in ("z_lb", "hist", "habs", "certificate")
@@ -228,7 +228,8 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     plan_tensors = dict(dense_slots=plan.dense_slots, dense_req=plan.dense_req, sample_slots=plan.sample_slots,
                         sample_req=plan.sample_req, page_ids=plan.page_ids, chunk_req=chunks[0],
                         chunk_begin=chunks[1], chunk_end=chunks[2])
-    policy = dict(sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4, page_size=16)
+    policy = dict(sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4, page_size=16,
+                  residual_weights=True)
     index = dict(zip(("lo", "scale", "radius", "codes"), index))
     fused = {k: v for k, v in a.named().items() if k not in ("z_lb", "hist", "habs", "certificate")
              and not k.startswith(("band_", "reserve_"))}
@@ -238,7 +239,8 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
     step_plan = OPS.StepPlan(**plan_tensors, num_indexed=plan.num_indexed, page_req=plan.page_req,
                              q32=torch.empty(len(LENS), 6, 64), **b.named())
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **index, **policy, fallback_fraction=0.02, eps_budget=-1.0,
-                          one_pass=False, rounding=0.0, a_posteriori=False, estimate_share=1.0, **EDGES.kernel_args())
+                          one_pass=False, rounding=0.0, a_posteriori=False, estimate_share=1.0, one_scan=False,
+                          reserve_offset=-1, **EDGES.kernel_args())
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -264,7 +266,8 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **{n: store.tensors[n] for n in ("lo", "scale", "radius", "codes")},
                           sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4,
                           page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, one_pass=False,
-                          a_posteriori=False, estimate_share=1.0, **EDGES.kernel_args())
+                          a_posteriori=False, estimate_share=1.0, one_scan=False, reserve_offset=-1,
+                          residual_weights=False, **EDGES.kernel_args())
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):
@@ -324,7 +327,7 @@ def test_merge_matches_torch(dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _run_certified(q, plan, store, ref, z_lb, sigma, eps):
+def _run_certified(q, plan, store, ref, z_lb, sigma, eps, residual=False):
     """The op with every output (token and page bounds included) in a dict."""
     n, heads, batch, size = len(plan.page_ids), q.shape[1], q.shape[0], store.page_size
     out = dict(hist=torch.empty(batch, heads, th.EDGE_COUNT + 2, dtype=torch.float64),
@@ -335,12 +338,13 @@ def _run_certified(q, plan, store, ref, z_lb, sigma, eps):
     OPS.certified_threshold(q=q, page_ids=plan.page_ids, page_req=plan.page_req, lo=meta["lo"], scale=meta["scale"],
                             radius=meta["radius"], codes=meta["codes"], ref=ref, z_lb=z_lb, sigma=sigma,
                             eps_budget=eps * th.BUDGET_SAFETY, rounding=th.HIST_ROUNDING,
-                            bits=store.config.grid_bits, page_size=size, **EDGES.kernel_args(), hist=out["hist"],
+                            bits=store.config.grid_bits, page_size=size, residual_weights=residual,
+                            **EDGES.kernel_args(), hist=out["hist"],
                             habs=out["habs"], t=out["t"], certificate=out["cert"], tok=out["tok"], pb=out["pb"])
     return out
 
 
-def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0):
+def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, residual=False):
     from louver_sgl import PageIndexStore
 
     cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
@@ -352,22 +356,24 @@ def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0):
     plan = plan_decode(table, lens, cfg)
     sigma = 1 / math.sqrt(dim)
     ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
-    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, eps)
+    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, eps, residual)
     return cfg, k, q, plan, store, ex, sigma, out
 
 
 @pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64),
                                                 (4, 16, 96)])
-def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim):
+@pytest.mark.parametrize("residual", [False, True], ids=["int8", "residual"])
+def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim, residual):
     """The op's token bounds (VNNI 16-token blocks with 4- and 8-bit codes, the per-token path for
-    pages of 8, no VNNI for 2 bits and D = 96) equal the torch int8 bounds up to fp32 rounding,
-    its page bounds the store's, and both are >= every fp64 exact score."""
-    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=1e-2)
+    pages of 8, no VNNI for 2 bits and D = 96; with and without residual weights) equal the torch
+    int8 bounds up to fp32 rounding, its page bounds the store's, and both are >= every fp64 exact
+    score."""
+    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=1e-2, residual=residual)
     n, h_kv = len(plan.page_ids), 2
     rows = q.view(3, h_kv, 3, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     codes = store.page_codes(plan.page_ids)
-    want = int8_token_bounds_reference(*bounds.terms, codes, bits).reshape(n, page_size, -1)
+    want = int8_token_bounds_reference(*bounds.terms, codes, bits, residual).reshape(n, page_size, -1)
     torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
     slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
@@ -415,7 +421,8 @@ def test_certified_threshold_takes_its_edges_from_the_caller():
     meta = store.tensors
     OPS.certified_threshold(q=q, page_ids=plan.page_ids, page_req=plan.page_req, **{m: meta[m] for m in meta},
                             ref=ex.ref, z_lb=ex.z_lb, sigma=sigma, eps_budget=1e-2 * th.BUDGET_SAFETY,
-                            rounding=th.HIST_ROUNDING, bits=4, page_size=16, **edges.kernel_args(), **out)
+                            rounding=th.HIST_ROUNDING, bits=4, page_size=16, residual_weights=False,
+                            **edges.kernel_args(), **out)
     t_ref, cert_ref, hist_ref, habs_ref = certified_threshold_reference(
         out["pb"], out["tok"], plan.page_req, ex.ref, ex.z_lb, sigma, 1e-2 * th.BUDGET_SAFETY, th.HIST_ROUNDING, edges)
     torch.testing.assert_close(out["habs"], habs_ref, rtol=1e-4, atol=1e-12)

@@ -24,8 +24,9 @@ LEVELS = {
     "haswell": "kHaveAvx2 && !kHaveAvx512",  # AVX2 + FMA + F16C: the 8-lane paths
     "icelake-server": "kHaveAvx512 && kHaveVnni && !kHaveAvx2",  # the 16-lane and VNNI paths
 }
-# step.cpp includes attend.h, exact_merge.h and common.h; bounds.cpp and checks.cpp the rest
-UNITS = ("step.cpp", "bounds.cpp", "checks.cpp")
+# step.cpp includes attend.h, exact_merge.h and common.h; bounds.cpp and scan_pass.cpp page_scan.h;
+# checks.cpp the rest
+UNITS = ("step.cpp", "bounds.cpp", "scan_pass.cpp", "checks.cpp")
 
 
 def _include_flags() -> list[str]:

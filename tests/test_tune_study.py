@@ -131,8 +131,9 @@ def test_journal_storage(tmp_path):
 
 def test_export_writes_a_valid_profile(tmp_path, capsys):
     study = tune(tmp_path, sampler="grid", name="e")
-    profile = study_profile(study, {"chunk_pages", "num_threads"})
-    assert profile.config["page_size"] == 64 and profile.launch == {"chunk_pages": 16, "num_threads": 1}
+    profile = study_profile(study, set(CpuTarget().launch_space()))
+    assert profile.config["page_size"] == 64
+    assert profile.launch == {"chunk_pages": 16, "num_threads": 1, "one_scan": True, "residual_weights": False}
     assert (profile.shapes.head_dim, profile.shapes.num_q_heads, profile.shapes.num_kv_heads) == (D, H_Q, H_KV)
     assert profile.shapes.context_lengths == (LENGTH,) and profile.shapes.batch_sizes == (1, 2)
     out = tmp_path / "p.json"
@@ -165,7 +166,7 @@ def test_check_step_catches_false_negatives(monkeypatch):
     broken = lambda pages: torch.full((len(pages), config.page_size, H_KV, H_Q // H_KV), float("-inf"))
     monkeypatch.setattr(store, "token_bounds", lambda bounds, pages: broken(pages))  # the fp32 bounds
     monkeypatch.setattr("louver_tuning.validate.int8_token_bounds_reference",  # the compiled kernels' int8 ones
-                        lambda weights, offset, codes, bits: broken(codes))
+                        lambda weights, offset, codes, bits, residual=False: broken(codes))
     stats.dense_fallback.zero_()
     with pytest.raises(ConstraintViolation, match="false negatives"):
         check_step(pb, store, config, out, stats)
@@ -174,11 +175,11 @@ def test_check_step_catches_false_negatives(monkeypatch):
 def test_confirmation_re_times_candidates_and_picks_the_fastest(tmp_path):
     study = tune(tmp_path, sampler="tpe", trials=4, name="c")
     target = CpuTarget(repeats=1, warmup=0)
-    result = confirm_best(study, target, {"chunk_pages", "num_threads"}, top=2, rounds=2, loader=synthetic_trace)
+    result = confirm_best(study, target, set(target.launch_space()), top=2, rounds=2, loader=synthetic_trace)
     assert result["defaults"] == 0 and len(result["timed"]) in (2, 3)
     timed = result["timed"]
     assert result["winner"] == int(min(timed, key=lambda n: timed[n]["geomean_ms"]))
-    profile = study_profile(study, {"chunk_pages", "num_threads"}, result)
+    profile = study_profile(study, set(target.launch_space()), result)
     assert profile.measured["tuned"]["trial"] == result["winner"]
     assert profile.measured["speedup_vs_defaults"] == pytest.approx(
         timed["0"]["geomean_ms"] / timed[str(result["winner"])]["geomean_ms"])

@@ -41,9 +41,11 @@ class WallClockTimer:
 
 class CpuTarget(Target):
     """Launch parameters: ``chunk_pages`` (the largest task of the compiled kernel, in pages; the
-    host shrinks tasks towards the end of the batch) and ``num_threads`` (torch threads around the
-    step, 1..cores). Steps are timed with the batch planned once, as the server plans once per
-    forward pass."""
+    host shrinks tasks towards the end of the batch), ``num_threads`` (torch threads around the
+    step, 1..cores), ``one_scan`` (certified steps read the codes once) and ``residual_weights``
+    (token bounds as tight as fp32 ones for a second integer dot: fewer keys against more
+    arithmetic, which wins depends on the CPU and the policy). Steps are timed with the batch
+    planned once, as the server plans once per forward pass."""
 
     name = "cpu"
 
@@ -53,10 +55,13 @@ class CpuTarget(Target):
     def launch_space(self) -> dict[str, BaseDistribution]:
         threads = list(range(1, (os.cpu_count() or 1) + 1))
         return {"chunk_pages": CategoricalDistribution(CHUNK_PAGES),
-                "num_threads": CategoricalDistribution(threads)}
+                "num_threads": CategoricalDistribution(threads),
+                "one_scan": CategoricalDistribution([True, False]),
+                "residual_weights": CategoricalDistribution([False, True])}
 
     def default_launch(self) -> dict[str, Any]:
-        return {"chunk_pages": 64, "num_threads": torch.get_num_threads()}
+        return {"chunk_pages": 64, "num_threads": torch.get_num_threads(), "one_scan": True,
+                "residual_weights": False}
 
     def timer(self) -> WallClockTimer:
         return self._timer
@@ -66,7 +71,9 @@ class CpuTarget(Target):
 
     def make_step(self, batch: PagedBatch, store: PageIndexStore, config: LouverConfig,
                   launch: Mapping[str, Any]) -> StepFn:
-        decode = LouverDecode(config, "cpu", launch={"chunk_pages": int(launch["chunk_pages"])})
+        kernel = {"chunk_pages": int(launch["chunk_pages"]), "one_scan": bool(launch.get("one_scan", True)),
+                  "residual_weights": bool(launch.get("residual_weights", False))}
+        decode = LouverDecode(config, "cpu", launch=kernel)
         with cpu_threads(int(launch["num_threads"])):  # the plan side is made for this thread count
             decode.plan(batch.page_table, batch.seq_lens)
 

@@ -63,7 +63,7 @@ class Objective:
         batch, store = self.workload.get(case, config)
         out, stats = self.target.make_step(batch, store, config, launch)()
         try:
-            check_step(batch, store, config, out, stats)
+            check_step(batch, store, config, out, stats, residual_weights=bool(launch.get("residual_weights", False)))
         except ConstraintViolation as exc:
             reject(trial, f"validation {case.name}: {exc}")
 

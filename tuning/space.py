@@ -103,8 +103,13 @@ class SearchSpace:
         return active
 
 
+# launch knobs the ``small`` preset keeps at their defaults (the ``full`` and quick spaces search them)
+SMALL_FIXED_LAUNCH = {"one_scan": True, "residual_weights": False}
+
+
 def build_space(launch_space: Mapping[str, BaseDistribution], max_context: int, preset: str = "full") -> SearchSpace:
-    """The ``full`` space, or ``small``: a grid-family sub-space small enough to search exhaustively."""
+    """The ``full`` space, or ``small``: a grid-family sub-space small enough to search exhaustively
+    (the compiled CPU step's ``one_scan`` and ``residual_weights`` at their defaults)."""
     space = SearchSpace({**config_space(max_context), **launch_space}, frozenset(launch_space))
     if preset == "full":
         return space
@@ -114,6 +119,7 @@ def build_space(launch_space: Mapping[str, BaseDistribution], max_context: int, 
                                                          "min_sparse_tokens")}
         launch = {k: [v for v in (16, 64, 256) if v in d.choices] if k == "chunk_pages" else list(d.choices)
                   for k, d in launch_space.items() if isinstance(d, CategoricalDistribution)}
+        launch.update({k: [v] for k, v in SMALL_FIXED_LAUNCH.items() if k in launch})
         return space.restrict({"family": ["grid"], "page_size": [32, 64, 128], "grid_bits": [4, 8],
                                **fixed, **launch})
     raise ValueError(f"space preset must be 'full' or 'small', got {preset!r}")

@@ -32,23 +32,28 @@ class ConstraintViolation(Exception):
 
 
 def check_step(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
-               stats: StepStats, impl: str = "auto") -> None:
+               stats: StepStats, impl: str = "auto", residual_weights: bool = False) -> None:
     """Raise ``ConstraintViolation`` naming the request and the broken constraint.
 
     Args:
         batch: q ``[B, H_q, D]``, paged k/v ``[slots, H_kv, D]``, page_table ``[B, pages]``, seq_lens ``[B]``.
         out: the step's output ``[B, H_q, D]``; stats: its ``StepStats`` (threshold, mass_bound ``[B, H_q]``).
         impl: the decode implementation that ran the step (``auto``: the one ``LouverDecode`` picks).
+        residual_weights: the compiled CPU step ran with residual int8 weights (its launch's
+            ``residual_weights``): its token bounds are ``int8_token_bounds_reference(...,
+            residual=True)``.
     """
     if not config.threshold.certifies(stats.mass_bound):
         raise ConstraintViolation(f"certified bound {float(stats.mass_bound.max()):.3g} >= eps {config.eps}")
-    int8 = uses_int8_token_bounds(resolve_implementation(impl, config, batch.k.device))
+    resolved = resolve_implementation(impl, config, batch.k.device)
+    int8 = uses_int8_token_bounds(resolved)
+    bounds = ("residual" if residual_weights and resolved == "cpu" else "int8") if int8 else "fp32"
     for b in range(batch.q.shape[0]):
-        _check_request(batch, store, config, out, stats, b, int8)
+        _check_request(batch, store, config, out, stats, b, bounds)
 
 
 def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
-                   stats: StepStats, b: int, int8: bool) -> None:
+                   stats: StepStats, b: int, bounds: str) -> None:
     size, n = config.page_size, int(batch.seq_lens[b])
     pos = torch.arange(n)
     slots = batch.page_table[b].cpu().long()[pos // size] * size + pos % size
@@ -57,7 +62,7 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
     groups = q.shape[0] // keys.shape[1]
     scores = torch.einsum("hd,nhd->hn", q.double(), keys.double().repeat_interleave(groups, 1))  # [H_q, n]
     threshold = stats.threshold[b].cpu()
-    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold, int8)  # [H_q, n] or None
+    passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold, bounds)  # [H_q, n] or None
     attended = torch.ones_like(scores, dtype=torch.bool)
     if passed is not None and not bool(stats.dense_fallback[b]):
         indexed = passed[1]
@@ -81,11 +86,12 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
 
 
 def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: int, config: LouverConfig,
-            threshold: torch.Tensor, int8: bool):
+            threshold: torch.Tensor, bounds: str):
     """(keys passing the bounds ``[H_q, n_indexed]`` bool, their positions ``[n_indexed]``), or None.
 
-    ``int8``: the step gated with the compiled kernels' int8 token bounds (and certified its T with
-    them), so those decide which keys each head keeps; else the store's fp32 bounds.
+    ``bounds``: "int8" (or "residual", with residual int8 weights): the step gated with the compiled
+    kernels' int8 token bounds (and certified its T with them), so those decide which keys each head
+    keeps; "fp32": the store's fp32 bounds.
     """
     size = config.page_size
     _, indexed, _ = split_pages(n, config)
@@ -94,14 +100,14 @@ def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: 
         return None
     groups = q.shape[0] // store.num_kv_heads
     rows = q.float().view(1, store.num_kv_heads, groups, -1).expand(len(pages), -1, -1, -1).contiguous()
-    bounds = store.page_bounds(rows.to(pages.device), pages)
-    if int8:
+    terms = store.page_bounds(rows.to(pages.device), pages)
+    if bounds != "fp32":
         codes = store.page_codes(pages)
-        tok = int8_token_bounds_reference(*bounds.terms, codes, store.config.grid_bits)
+        tok = int8_token_bounds_reference(*terms.terms, codes, store.config.grid_bits, bounds == "residual")
     else:
-        tok = store.token_bounds(bounds, pages)
+        tok = store.token_bounds(terms, pages)
     tok = tok.reshape(-1, q.shape[0]).t().cpu()
-    page_bound = bounds.page_bound.reshape(len(pages), -1).t().repeat_interleave(size, 1).cpu()
+    page_bound = terms.page_bound.reshape(len(pages), -1).t().repeat_interleave(size, 1).cpu()
     passed = keep_at_least(torch.minimum(tok, page_bound), threshold[:, None])
     positions = torch.arange(indexed.start * size, indexed.stop * size)
     return passed, positions

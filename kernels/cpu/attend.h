@@ -50,6 +50,12 @@ struct AttendArgs {
   float* reserve_bound = nullptr;
   bool band = false;
   const uint8_t* band_req = nullptr;
+  // only_req [B] (null: every request): the pass runs the chunks of the requests marked 1 and
+  // writes nothing for the others (the one-scan certified step's two kinds of requests)
+  const uint8_t* only_req = nullptr;
+  // residual int8 weights (quantize_weights_residual): a second integer dot per token for a bound
+  // ~250 times tighter in its int8 slack; applied where 2·G <= 8 (the dot kernels' heads)
+  bool residual = false;
 };
 
 // Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
@@ -75,10 +81,12 @@ struct ChunkRunner {
   const AttendArgs& a;
   const KV *kc, *vc, *lo, *sc, *rad;
   int64_t b, k, head0;
-  bool open = false, vector_scores;
+  bool open = false, vector_scores, residual;
   int64_t cap;  // batch capacity; declared before the buffers sized by it
-  std::vector<float> buf, acc, w, off, pb, step, drop_max, drop_lanes, book, rows16, score, weight;
-  std::vector<int8_t> wq, wsplit, wsplit8;  // int8 weights; nibble_order block 64 and block 8
+  std::vector<float> buf, acc, w, off, pb, step, step2, resid, drop_max, drop_lanes, book, rows16, score, weight;
+  // int8 weights [G2, D] (G2 = 2·G with residual weights: heads G.. hold the residuals);
+  // nibble_order block 64 and block 8
+  std::vector<int8_t> wq, wsplit, wsplit8;
   std::vector<int32_t> idot, quads8;  // quads8: the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
@@ -99,12 +107,15 @@ struct ChunkRunner {
       : a(args), kc(kc_), vc(vc_), lo(lo_), sc(sc_), rad(rad_), b(args.chunk_req[chunk]), k(kv_head),
         head0(args.chunk_req[chunk] * args.h_q + kv_head * args.groups),
         vector_scores((kHaveAvx512 || kHaveAvx2) && args.dim % 16 == 0 && args.dim_v % 16 == 0 && args.groups <= 8),
+        residual(args.residual && 2 * args.groups <= 8),
         cap(batch_capacity(args.page_size)),
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
-        off(args.groups), pb(args.groups), step(args.groups), drop_max(args.groups),
+        off(args.groups), pb(args.groups), step(args.groups), step2(args.groups), resid(args.dim),
+        drop_max(args.groups),
         drop_lanes(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
-        weight(args.groups * cap), wq(args.groups * args.dim), wsplit(args.groups * args.dim),
-        wsplit8(args.groups * args.dim), idot(args.groups), quads8(kHaveAvx2 ? 2 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
+        weight(args.groups * cap), wq(2 * args.groups * args.dim), wsplit(2 * args.groups * args.dim),
+        wsplit8(2 * args.groups * args.dim), idot(2 * args.groups),
+        quads8(kHaveAvx2 ? 4 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
         value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_res(args.groups, 0),
         res_ub(16 * args.groups), page_mag(args.groups), mag_max(args.groups, 0.f), ref_low(args.groups),
@@ -164,19 +175,21 @@ struct ChunkRunner {
     if (a.page_mag) std::copy(page_mag.begin(), page_mag.end(), a.page_mag + i * a.h_q + k * G);
     for (int64_t g = 0; g < G; ++g) {
       if (keep_page[g] || keep_res[g])
-        off[g] += quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
+        off[g] += residual ? quantize_weights_residual(w.data() + g * D, D, a.bits, wq.data() + g * D,
+                                                       wq.data() + (G + g) * D, &step[g], &step2[g], resid.data())
+                           : quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
       std::fill(drop_lanes.begin() + 16 * g, drop_lanes.begin() + 16 * (g + 1), -INFINITY);
     }
     if (vnni_scan()) {  // 4-bit 16-token blocks read wsplit8; the per-token path (and 8 bits) wsplit
       const bool blocks4 = a.bits == 4, tokens = a.bits != 4 || a.page_size % 16 != 0;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < dot_heads(); ++g) {
         if (tokens) nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
         if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
     } else if (avx2_scan()) {
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < dot_heads(); ++g) {
         nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
         broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
       }
@@ -185,6 +198,9 @@ struct ChunkRunner {
   }
 
   bool vnni_scan() const { return kHaveVnni && a.dim % 64 == 0 && (a.bits == 4 || a.bits == 8) && a.groups <= 8; }
+
+  // Weight rows the integer dots run over: G, or 2·G with residual weights.
+  int64_t dot_heads() const { return residual ? 2 * a.groups : a.groups; }
 
   // The 8-lane scan (AVX2 builds): 4-bit codes in the block16 layout (pages of a multiple of 16).
   bool avx2_scan() const { return kHaveAvx2 && a.codes.block16 && a.bits == 4 && a.dim % 64 == 0 && a.groups <= 8; }
@@ -199,11 +215,12 @@ struct ChunkRunner {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t G = a.groups;
     __m512i dots[8];
-    dot_block16(a.codes, first + p, k, a.bits, a.dim, wsplit.data(), wsplit8.data(), G, dots);
+    dot_block16(a.codes, first + p, k, a.bits, a.dim, wsplit.data(), wsplit8.data(), dot_heads(), dots);
     uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g] && !keep_res[g]) continue;
-      const __m512 ub = token_bounds16(off[g], step[g], dots[g]);
+      const __m512 ub = residual ? token_bounds16_2(off[g], step[g], step2[g], dots[g], dots[G + g])
+                                 : token_bounds16(off[g], step[g], dots[g]);
       if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
         res |= static_cast<uint16_t>(~_mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t_reserve[head0 + g]), _CMP_LT_OQ));
         _mm512_storeu_ps(res_ub.data() + 16 * g, ub);
@@ -222,13 +239,16 @@ struct ChunkRunner {
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
-    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), G, dots);
+    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
     uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g] && !keep_res[g]) continue;
       const __m256 t = _mm256_set1_ps(a.t[head0 + g]);
       for (int h = 0; h < 2; ++h) {
-        const __m256 ub = token_bounds8(off[g], step[g], _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h)));
+        const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + g * 16 + 8 * h));
+        const __m256 ub = residual ? token_bounds8_2(off[g], step[g], step2[g], d,
+                                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(dots + (G + g) * 16 + 8 * h)))
+                                   : token_bounds8(off[g], step[g], d);
         if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
           const __m256 low = _mm256_cmp_ps(ub, _mm256_set1_ps(a.t_reserve[head0 + g]), _CMP_LT_OQ);
           res |= (~static_cast<uint32_t>(_mm256_movemask_ps(low)) & 0xFFu) << (8 * h);
@@ -263,14 +283,15 @@ struct ChunkRunner {
     uint8_t scratch[Codes::kMaxBytes];
     for (; p < P; ++p) {
       if (vnni) {
-        dot_token_vnni(a.codes.token(first + p, k, scratch), a.bits, D, wsplit.data(), G, idot.data());
+        dot_token_vnni(a.codes.token(first + p, k, scratch), a.bits, D, wsplit.data(), dot_heads(), idot.data());
       } else {
-        for (int64_t g = 0; g < G; ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
+        for (int64_t g = 0; g < dot_heads(); ++g) idot[g] = dot_u8s8(page_codes.data() + p * D, wq.data() + g * D, D);
       }
       bool cand = false, res = false;
       for (int64_t g = 0; g < G; ++g) {
         if (!keep_page[g] && !keep_res[g]) continue;
-        const float ub = token_bound(off[g], step[g], idot[g]);
+        const float ub = residual ? token_bound2(off[g], step[g], step2[g], idot[g], idot[G + g])
+                                  : token_bound(off[g], step[g], idot[g]);
         if (keep_res[g]) {  // a-posteriori first pass: the tokens the band may need
           res |= !(ub < a.t_reserve[head0 + g]);
           res_ub[g] = ub;
@@ -768,6 +789,7 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
   const int64_t G = a.groups;
   std::vector<ChunkRunner<KV>> runners;
   for (int64_t c = next++; c < a.n_chunks; c = next++) {
+    if (a.only_req && !a.only_req[a.chunk_req[c]]) continue;
     if (runners.empty()) {
       runners.reserve(a.h_kv);
       for (int64_t k = 0; k < a.h_kv; ++k) runners.emplace_back(a, kc, vc, lo, sc, rad, c, k);

@@ -243,7 +243,8 @@ inline float norm_up(const float* x, int64_t n) {
 // raise the sum (counting |w_d − step·wq_d| made the bound about twice as loose).
 // The integer dot product is exact (|Σ| < 2^24), the fp32 product step·acc is covered by err's
 // relative term, and a NaN/Inf weight makes err NaN (the token is then kept).
-inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* wq, float* step) {
+inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* wq, float* step,
+                              float* mag_out = nullptr) {
   float top = 0.f;
 #pragma omp simd reduction(max : top)
   for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(w[d]));
@@ -298,9 +299,42 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
     mag += std::fabs(s * r);
   }
   *step = s;
+  if (mag_out) *mag_out = mag;
   // (1 + 2^-16) and the 2^-20 relative term cover fp32 rounding of err (summed in any order),
   // of s·wq and of step·acc.
   return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
+}
+
+// Residual int8 weights: w_d ≈ step·wq_d + step2·wq2_d, wq2 the int8 form of the fp32 residual r =
+// w − step·wq (step2 = max|r| / 127, about step / 254), so that for every code vector c in
+// [0, 2^bits − 1]^D, Σ_d w_d·c_d <= step·Σ wq_d·c_d + step2·Σ wq2_d·c_d + err. err is
+// quantize_weights' of r (its channels rounded down, the rounding of step2·wq2 and of step2·acc)
+// plus (2^bits − 1)·2^-20·Σ|step·wq_d|: the fp32 residual differs from w − step·wq by at most
+// 2^-23·(|step·wq_d| + |r_d|) per channel, and Σ|r_d| <= D·step/2 <= Σ|step·wq_d| for D <= 254
+// (the largest channel has |wq| = 127); the same term covers step·acc and the one more addition.
+// A second integer dot per token, against the first's 255 steps of rounding per channel: the
+// bound's int8 slack shrinks about 250-fold. NaN/Inf weights make err NaN, as quantize_weights.
+inline float quantize_weights_residual(const float* w, int64_t D, int64_t bits, int8_t* wq, int8_t* wq2,
+                                       float* step, float* step2, float* r) {
+  float mag = 0.f;
+  const float first = quantize_weights(w, D, bits, wq, step, &mag);
+  if (std::isnan(first)) {
+    std::fill(wq2, wq2 + D, 0);
+    *step2 = 0.f;
+    return NAN;
+  }
+  const float s = *step;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) r[d] = w[d] - s * static_cast<float>(wq[d]);
+  const float levels = static_cast<float>((1 << bits) - 1);
+  return quantize_weights(r, D, bits, wq2, step2) + levels * mag * 9.5367431640625e-07f;
+}
+
+// A token's bound from its two integer dots (quantize_weights_residual): (off + step·dot) +
+// step2·dot2, in this order in every kernel that gates or bins with it.
+inline float token_bound2(float off, float step, float step2, int32_t dot, int32_t dot2) {
+  const float first = off + step * static_cast<float>(dot);
+  return first + step2 * static_cast<float>(dot2);
 }
 
 // A token's int8 bound from its integer dot: off + step·dot. The attend pass gates with it and the
@@ -312,12 +346,22 @@ inline float token_bound(float off, float step, int32_t dot) { return off + step
 inline __m512 token_bounds16(float off, float step, __m512i dots) {
   return _mm512_add_ps(_mm512_set1_ps(off), _mm512_mul_ps(_mm512_set1_ps(step), _mm512_cvtepi32_ps(dots)));
 }
+
+// token_bound2 of 16 tokens, with the same fp32 operations.
+inline __m512 token_bounds16_2(float off, float step, float step2, __m512i dots, __m512i dots2) {
+  return _mm512_add_ps(token_bounds16(off, step, dots), _mm512_mul_ps(_mm512_set1_ps(step2), _mm512_cvtepi32_ps(dots2)));
+}
 #endif
 
 #if defined(LOUVER_AVX2)
 // token_bound of 8 tokens, with the same fp32 operations as token_bounds16.
 inline __m256 token_bounds8(float off, float step, __m256i dots) {
   return _mm256_add_ps(_mm256_set1_ps(off), _mm256_mul_ps(_mm256_set1_ps(step), _mm256_cvtepi32_ps(dots)));
+}
+
+// token_bound2 of 8 tokens, with the same fp32 operations.
+inline __m256 token_bounds8_2(float off, float step, float step2, __m256i dots, __m256i dots2) {
+  return _mm256_add_ps(token_bounds8(off, step, dots), _mm256_mul_ps(_mm256_set1_ps(step2), _mm256_cvtepi32_ps(dots2)));
 }
 #endif
 

@@ -28,8 +28,38 @@ struct CertifiedPass {
   Edges edges;
   torch::Tensor hist, habs, t, certificate;
   torch::Tensor tok, pb;  // empty, or the int8 token bounds and page bounds (tests)
+  bool residual = false;  // residual int8 weights (AttendArgs::residual)
 };
 void run_certified_pass(const CertifiedPass& c);
+// The certified histogram rule in one scan of the codes (scan_pass.cpp), inside LayerStep: raw
+// views of the step plan's buffers. Inputs: q [B, H_q, D] f32, page_ids [NP], chunk_req /
+// chunk_begin / chunk_end [NC] (the attend pass's chunks), lo/scale/radius/codes of the layer,
+// ref, z_lb [B, H_q], level [B, H_q] f32 and level_bin [B, H_q] (per head the reserve level, the
+// fp32 T of edge level_bin, −inf and −1 for none). Outputs: hist, habs, t, certificate and the
+// chosen edge [B, H_q] (as the two-pass rule's bound pass), page_bound and page_mag [NP, H_q], the
+// reserve of each (chunk, KV head) in AttendArgs's layout (slot, pos, bound, count) and
+// pages_read [B] (pages whose codes were read).
+struct ScanPass {
+  torch::Tensor lo, scale, radius, codes;
+  const float* q;
+  const int64_t *page_ids, *chunk_req, *chunk_begin, *chunk_end;
+  int64_t batch, h_kv, groups, dim, n_chunks, bits, page_size;
+  const float *ref, *level;
+  const double* z_lb;
+  const int64_t* level_bin;
+  double sigma, eps_budget, rounding;
+  Edges edges;
+  double *hist, *habs, *certificate;
+  float *t, *page_bound, *page_mag, *reserve_bound;
+  int64_t *edge, *reserve_slot, *reserve_pos, *reserve_count, *pages_read;
+  bool residual = false;  // residual int8 weights (AttendArgs::residual)
+};
+void run_scan_pass(const ScanPass& s);
+// The histograms from per-thread partials [threads, rows, 3, W] into hist and habs [rows, W], T
+// per row by the histogram rule, its certificate and (when edge_out is given) its edge (bounds.cpp).
+void choose_thresholds(const double* part, int64_t threads, int64_t rows, int64_t W, double* hist, double* habs,
+                       const double* z_lb, const float* ref, double sigma, double eps_budget, double rounding,
+                       const Edges& edges, float* t, double* certificate, int64_t* edge_out);
 // fp32 T of edge j (threshold.edge_threshold; bounds.cpp).
 float edge_threshold(int64_t j, float ref, double sigma, const Edges& edges);
 // The largest edge whose bound (the cumulative sums of one row of hist and habs [W], plus rounding
@@ -72,7 +102,11 @@ struct StepPlan {
 // whose check fails take that certified pass and a second attend pass; with a_posteriori the
 // certified pass picks the first level against the estimate of Z (estimate_share), and heads whose
 // certificate does not fit the exact mass of what the attend pass attended are lowered, their
-// band attended from the first pass's reserve into the plan's band buffers). run(q, plan, out) is
+// band attended from the first pass's reserve into the plan's band buffers; with one_scan the
+// histogram rule's pass also keeps every token reaching the safe level in the plan's reserve and
+// the attend pass reads that reserve at T instead of the codes, run_scan_pass; reserve_offset: its
+// level in edges from the safe level's, see CpuLaunch; residual_weights: the token bounds' residual
+// int8 weights, AttendArgs::residual). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
 // output in out (or a new tensor of q's dtype), in one call (attended, debug only: a u8 [NP, P, H_q]
 // buffer the attend pass fills with the keys it attended, see AttendArgs::attended): at batch 1 each Python-level op or
@@ -86,7 +120,7 @@ struct LayerStep {
                                                      std::optional<torch::Tensor> attended) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
   double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share;
-  bool value_gate, one_pass, a_posteriori;
-  int64_t bits, page_size;
+  bool value_gate, one_pass, a_posteriori, one_scan, residual_weights;
+  int64_t bits, page_size, reserve_offset;
   louver_cpu::Edges edges;
 };

@@ -64,7 +64,8 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
 // attend pass (q [B, H_q, D] f32, k_cache, v_cache, lo, scale, radius, codes, dense_slots,
 // dense_req, sample_slots, sample_req, page_ids, chunk_req, chunk_begin, chunk_end, sigma, budget
 // (>= 0: T is the sample rule's, else t_fixed, −inf for the dense policy), t_fixed, value_gate and
-// gate_rel (gate = T − gate_rel·(|T| + 1), else −inf), bits, page_size). Outputs (all written):
+// gate_rel (gate = T − gate_rel·(|T| + 1), else −inf), bits, page_size, residual_weights
+// (AttendArgs::residual)). Outputs (all written):
 // s_dense, sample, ref, z, t, gate [B, H_q] f32, the attend outputs m, l, o, counts, mass, result
 // [B, H_q, Dv] f32, and the chunk totals per_head, per_req, masses.
 void fused_step(Named& n) {
@@ -75,14 +76,15 @@ void fused_step(Named& n) {
   torch::Tensor counts = n.tensor("counts"), mass = n.tensor("mass"), result = n.tensor("result");
   torch::Tensor chunk_req = n.tensor("chunk_req"), dense_slots = n.tensor("dense_slots"), dense_req = n.tensor("dense_req");
   const double sigma = n.real("sigma"), budget = n.real("budget"), t_fixed = n.real("t_fixed");
-  const bool value_gate = n.flag("value_gate");
+  const bool value_gate = n.flag("value_gate"), residual = n.flag("residual_weights");
   const float gate_rel = static_cast<float>(n.real("gate_rel"));
   TORCH_CHECK(lo.scalar_type() == k_cache.scalar_type(), "index codebooks must use the KV dtype");
   const ExactArgs e = exact_args(q, k_cache, dense_slots, dense_req, n.tensor("sample_slots"),
                                  n.tensor("sample_req"), sigma, budget, s_dense, sample, ref, z, t);
-  const AttendArgs a = attend_args(q, k_cache, v_cache, codes, n.tensor("page_ids"), chunk_req,
-                                   n.tensor("chunk_begin"), n.tensor("chunk_end"), t, gate, ref, sigma,
-                                   n.integer("bits"), n.integer("page_size"), m, l, o, counts, mass);
+  AttendArgs a = attend_args(q, k_cache, v_cache, codes, n.tensor("page_ids"), chunk_req,
+                             n.tensor("chunk_begin"), n.tensor("chunk_end"), t, gate, ref, sigma,
+                             n.integer("bits"), n.integer("page_size"), m, l, o, counts, mass);
+  a.residual = residual;
   const MergeArgs g = merge_args(s_dense, dense_slots, dense_req, v_cache, m.view({a.n_chunks, a.h_q}),
                                  l.view({a.n_chunks, a.h_q}), o.view({a.n_chunks, a.h_q, a.dim_v}), chunk_req, sigma,
                                  result);
@@ -275,6 +277,43 @@ std::vector<int64_t> unskipped_pages(const StepPlan& p, const torch::Tensor& t0)
   return count;
 }
 
+// The one-scan pass's reserve levels per (request, head) [B·H_q]: the edge ``offset`` edges from
+// the highest edge at or under the safe level (threshold.safe_level: every indexed token just under
+// it drops a mass that fits the budget, so the histogram rule's edge is never below the safe
+// level's; offset −1 leaves a step of margin for the fp32 masses), and its fp32 T
+// (edge_threshold); −1 and −inf where the safe level is not finite (every token kept).
+void reserve_levels(const StepPlan& p, double sigma, double eps_budget, double rounding, const Edges& edges,
+                    int64_t offset, std::vector<float>& level, std::vector<int64_t>& bin) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
+  const float* ref = p.ref.data_ptr<float>();
+  const double* z_lb = p.z_lb.data_ptr<double>();
+  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
+  level.assign(B * H, -INFINITY);
+  bin.assign(B * H, -1);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double x = std::log(eps_budget * z_lb[i] / ((1.0 + rounding) * double(n_idx[b])));  // σ·(safe − ref)
+      if (n_idx[b] <= 0 || !std::isfinite(x) || !std::isfinite(ref[i])) continue;
+      const double j = std::floor((x - edges.low) / edges.step) + double(offset);
+      if (j < 0) continue;
+      bin[i] = static_cast<int64_t>(std::min(j, double(edges.count - 1)));
+      level[i] = edge_threshold(bin[i], ref[i], sigma, edges);
+    }
+}
+
+// Per (request, head) [B·H_q] the pages of the request whose page bound is below the head's T
+// (the one-scan step's skip count: its attend pass reads the reserve, not the pages).
+std::vector<int64_t> pages_below(const StepPlan& p) {
+  const int64_t H = p.q32.size(1), n = p.page_ids.size(0);
+  const float *pb = p.band_pb.data_ptr<float>(), *t = p.t.data_ptr<float>();
+  const int64_t* req = p.page_req.data_ptr<int64_t>();
+  std::vector<int64_t> count(p.q32.size(0) * H, 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) count[req[i] * H + h] += pb[i * H + h] < t[req[i] * H + h];
+  return count;
+}
+
 }  // namespace
 
 StepPlan::StepPlan(Named& n) {
@@ -326,7 +365,8 @@ LayerStep::LayerStep(Named& n)
       t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
       eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), estimate_share(n.real("estimate_share")),
       value_gate(n.flag("value_gate")), one_pass(n.flag("one_pass")), a_posteriori(n.flag("a_posteriori")),
-      bits(n.integer("bits")), page_size(n.integer("page_size")),
+      one_scan(n.flag("one_scan")), residual_weights(n.flag("residual_weights")),
+      bits(n.integer("bits")), page_size(n.integer("page_size")), reserve_offset(n.integer("reserve_offset")),
       edges(Edges::read(n)) {
   n.done();
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
@@ -363,6 +403,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
                                  budget, p.s_dense, p.sample, p.ref, p.z, p.t);
   AttendArgs a = attend_args(p.q32, k_cache, v_cache, codes, p.page_ids, p.chunk_req, p.chunk_begin, p.chunk_end,
                              p.t, p.gate, p.ref, sigma, bits, page_size, p.m, p.l, p.o, p.counts, p.mass);
+  a.residual = residual_weights;
   if (attended.has_value()) {
     TORCH_CHECK_VALUE(attended->device().is_cpu() && attended->is_contiguous() &&
                           attended->scalar_type() == at::kByte &&
@@ -375,6 +416,9 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   const bool certified = eps_budget >= 0;
   bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
   std::vector<int64_t> unskipped;  // a-posteriori: pages the lowered levels keep, per (request, head)
+  // one scan: per (request, head) the pages below T, per request the pages read (−1: the request
+  // took the two passes, whose attend pass counted them)
+  std::vector<int64_t> scan_counts, scan_read;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "louver_step", [&] {
     const auto run_with = [&](const AttendArgs& args, int phases) {
       run_phases(e, args, g, k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), lo.data_ptr<scalar_t>(),
@@ -393,7 +437,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     CertifiedPass c;
     c.q = p.q32, c.page_ids = p.page_ids, c.page_req = p.page_req, c.lo = lo, c.scale = scale, c.radius = radius;
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
-    c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges;
+    c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
     if (a_posteriori && p.page_ids.numel() > 0) {  // no indexed page: nothing to lower, the histogram path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
@@ -424,6 +468,50 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       }
       return run_with(a, kMerge);
     }
+    if (!one_pass && one_scan && p.page_ids.numel() > 0) {  // the histogram rule in one scan of the codes
+      TORCH_CHECK(p.band_m.numel() > 0, "louver step: a one-scan certified layer needs a plan with band buffers");
+      std::vector<float> level;
+      std::vector<int64_t> level_bin, edge(B * H);
+      reserve_levels(p, sigma, eps_budget, rounding, edges, reserve_offset, level, level_bin);
+      std::vector<int64_t> pages_read(B);
+      ScanPass s{lo, scale, radius, codes, p.q32.data_ptr<float>(), p.page_ids.data_ptr<int64_t>(),
+                 p.chunk_req.data_ptr<int64_t>(), p.chunk_begin.data_ptr<int64_t>(), p.chunk_end.data_ptr<int64_t>(),
+                 B, k_cache.size(1), H / k_cache.size(1), D, p.chunk_req.size(0), bits, page_size,
+                 p.ref.data_ptr<float>(), level.data(), p.z_lb.data_ptr<double>(), level_bin.data(), sigma,
+                 eps_budget, rounding, edges, p.hist.data_ptr<double>(), p.habs.data_ptr<double>(),
+                 p.certificate.data_ptr<double>(), p.t.data_ptr<float>(), p.band_pb.data_ptr<float>(),
+                 p.band_mag.data_ptr<float>(), p.reserve_bound.data_ptr<float>(), edge.data(),
+                 p.reserve_slot.data_ptr<int64_t>(), p.reserve_pos.data_ptr<int64_t>(),
+                 p.reserve_count.data_ptr<int64_t>(), pages_read.data(), residual_weights};
+      run_scan_pass(s);
+      // a head whose T lies below its reserve level (possible only where a term is not finite)
+      // needs tokens the reserve lacks: its request takes the two passes
+      std::vector<uint8_t> scanned(B, 1), rest(B, 0);
+      for (int64_t i = 0; i < B * H; ++i)
+        if (edge[i] < level_bin[i]) scanned[i / H] = 0, rest[i / H] = 1;
+      if (attended.has_value()) attended->zero_();
+      AttendArgs ab = a;  // the scanned requests: the reserve's tokens at T
+      ab.band = true, ab.band_req = scanned.data(), ab.only_req = scanned.data();
+      ab.page_mag = p.band_mag.data_ptr<float>();
+      ab.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), ab.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
+      ab.reserve_bound = p.reserve_bound.data_ptr<float>(), ab.reserve_count = p.reserve_count.data_ptr<int64_t>();
+      run_with(ab, kAttend);
+      if (std::find(rest.begin(), rest.end(), 1) != rest.end()) {
+        const torch::Tensor t_kept = p.t.clone(), cert_kept = p.certificate.clone();
+        run_certified_pass(c);
+        keep_rows(std::vector<char>(rest.begin(), rest.end()), t_kept, p.t, cert_kept, p.certificate);
+        AttendArgs af = a;
+        af.only_req = rest.data();
+        run_with(af, kAttend);
+      }
+      run_with(a, kMerge);
+      scan_counts = pages_below(p);
+      for (int64_t b = 0; b < B; ++b) {
+        if (!scanned[b]) std::fill_n(scan_counts.begin() + b * H, H, int64_t(-1));
+        scan_read.push_back(scanned[b] ? pages_read[b] : -1);
+      }
+      return;
+    }
     if (!one_pass) {
       run_certified_pass(c);
       return run(kAttendMerge);
@@ -444,6 +532,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   if (!totals_summed) chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
   int64_t* per_head = p.per_head.data_ptr<int64_t>();
   for (int64_t i = 0; i < static_cast<int64_t>(unskipped.size()); ++i) per_head[2 * i + 1] -= unskipped[i];
+  for (int64_t i = 0; i < static_cast<int64_t>(scan_counts.size()); ++i)
+    if (scan_counts[i] >= 0) per_head[2 * i + 1] = scan_counts[i];
+  for (int64_t b = 0; b < static_cast<int64_t>(scan_read.size()); ++b)
+    if (scan_read[b] >= 0) p.per_req.data_ptr<int64_t>()[3 * b + 2] = scan_read[b];
   torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
                                      p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(),

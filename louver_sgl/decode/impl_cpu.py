@@ -36,13 +36,38 @@ class CpuLaunch:
     """Launch parameters of the compiled CPU step (profile values; ``louver-tune`` searches them).
 
     chunk_pages: most pages one task of the attend pass takes (split-K granularity).
+    one_scan: certified steps of the histogram rule read the codes once: the pass that builds the
+      histogram also keeps every token whose bound reaches the safe level (the lowest level the
+      rule can choose) in a reserve, and the attend pass reads the reserve at the chosen T instead
+      of the codes (design notes, "Certified in one code pass"). Same T, keys and certificate as
+      the two scans (False), up to the histogram's fp64 rounding.
+    reserve_offset: where the one-scan reserve starts, in threshold edges (σ·0.25) from the safe
+      level's edge. −1 (default) leaves one edge of margin: the rule's edge never lies below it.
+      Higher offsets keep a smaller reserve, and a request with a head whose edge lies below its
+      reserve level takes the two scans.
+    residual_weights: token bounds with residual int8 weights (a second integer dot per token
+      against the residual of the first int8 rounding, ``quantize_weights_residual``): their int8
+      slack shrinks about 250-fold, so as few keys pass as with the store's fp32 bounds (GQA
+      groups of at most 4; larger ones keep one dot). Every bound is sound either way; the choice
+      is speed: on the 2-core AMD EPYC (AVX-512) the second dot cost more than the keys it saved
+      (docs/benchmarks.md, "Certified in one scan and residual weights"), so it is off by default
+      and a profile knob.
     """
 
     chunk_pages: int = 64
+    one_scan: bool = True
+    reserve_offset: int = -1
+    residual_weights: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ValueError(f"chunk_pages must be a positive int, got {self.chunk_pages!r}")
+        for name in ("one_scan", "residual_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.reserve_offset, bool) or not isinstance(self.reserve_offset, int) \
+                or not -256 <= self.reserve_offset <= 256:
+            raise ValueError(f"reserve_offset must be an int in [-256, 256], got {self.reserve_offset!r}")
 
     @classmethod
     def of(cls, launch: "CpuLaunch | Mapping[str, Any] | None") -> "CpuLaunch":
@@ -50,7 +75,7 @@ class CpuLaunch:
             return cls()
         if isinstance(launch, cls):
             return launch
-        known = {"chunk_pages"}
+        known = {"chunk_pages", "one_scan", "reserve_offset", "residual_weights"}
         unknown = sorted(set(launch) - known)
         if unknown:
             raise ValueError(f"unknown CPU launch parameters {unknown}; known: {sorted(known)}")
@@ -134,13 +159,25 @@ class CpuDecode(DecodeImplementation):
         if len(self.layers) >= MAX_COMPILED_LAYERS:  # entries keep their KV caches alive
             self.layers.clear()
         key = self._plan_key(q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
-        layer = CompiledLayer(self.ops, k_cache, v_cache, store, sigma, self.config, key)
+        layer = CompiledLayer(self.ops, k_cache, v_cache, store, sigma, self.config, key, self._kernel_launch)
         self.layers[(id(k_cache), id(v_cache), id(store), sigma)] = layer
         return layer
 
+    @property
+    def _kernel_launch(self) -> dict:
+        """The launch values the compiled ``LayerStep`` takes (``_layer_step``)."""
+        return dict(one_scan=self._one_scan, reserve_offset=self.launch.reserve_offset,
+                    residual_weights=self.launch.residual_weights)
+
+    @property
+    def _one_scan(self) -> bool:
+        """Whether this step's certified histogram rule runs in one scan (CpuLaunch.one_scan)."""
+        policy = self.config.threshold
+        return self.launch.one_scan and policy.certified and not policy.one_pass and not policy.a_posteriori
+
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
-                self.config.sample_size, self.config.threshold.a_posteriori)
+                self.config.sample_size, self.config.threshold.a_posteriori or self._one_scan)
 
     def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
         """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
@@ -148,7 +185,8 @@ class CpuDecode(DecodeImplementation):
 
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
-            band = (len(plan.page_ids), plan.page_size) if self.config.threshold.a_posteriori else None
+            reserve = self.config.threshold.a_posteriori or self._one_scan
+            band = (len(plan.page_ids), plan.page_size) if reserve else None
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
                             self.config.sample_size, band=band)
             return _step_plan(self.ops, plan, chunks, part, dim)
@@ -188,8 +226,12 @@ def page_chunks(plan: DecodePlan, chunk_pages: int) -> tuple[torch.Tensor, torch
 GUIDED_SHARE = 2
 
 
-def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig):
-    """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index."""
+def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
+                launch: dict | None = None):
+    """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index; ``launch``:
+    its ``one_scan``, ``reserve_offset`` and ``residual_weights`` (``CpuDecode._kernel_launch``;
+    default: two scans, no residual weights)."""
+    launch = {"one_scan": False, "reserve_offset": -1, "residual_weights": False, **(launch or {})}
     policy = config.threshold
     t_static = policy.static_threshold
     meta = store.tensors
@@ -201,7 +243,7 @@ def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, conf
         fallback_fraction=float(config.dense_fallback_fraction),
         eps_budget=policy.kernel_eps_budget(th.BUDGET_SAFETY), rounding=th.HIST_ROUNDING,
         one_pass=policy.one_pass, a_posteriori=policy.a_posteriori, estimate_share=policy.estimate_share,
-        **EDGES.kernel_args())
+        **launch, **EDGES.kernel_args())
 
 
 def _dense_fallback(dense_layer, q, cpu: tuple, stats: StepStats, out: torch.Tensor, plan: DecodePlan,
@@ -251,8 +293,8 @@ class CompiledLayer:
     __slots__ = ("layer", "dense_layer", "plan_key", "k_cache", "v_cache", "store", "sigma")
 
     def __init__(self, ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
-                 plan_key: tuple):
-        self.layer = _layer_step(ops, k_cache, v_cache, store, sigma, config)
+                 plan_key: tuple, launch: dict | None = None):
+        self.layer = _layer_step(ops, k_cache, v_cache, store, sigma, config, launch)
         # the dense policy's step (T = −inf: every key a candidate and attended) for fallbacks; a
         # dense-policy layer needs none, its own step already attends every key
         dense = config.with_(policy="dense", dense_fallback_fraction=1.0)

@@ -214,14 +214,18 @@ def check_config_overrides(config: Mapping[str, Any], where: str = "") -> None:
 
 
 STRING_LAUNCH = ("cuda_decode",)  # launch values that are names
+BOOL_LAUNCH = ("one_scan", "residual_weights")  # launch values that are switches (the compiled CPU step's)
 
 
 def check_launch(launch: Mapping[str, Any], where: str = "") -> None:
-    """Launch parameters are named finite numbers, or names (``cuda_decode``); a CUDA profile's
-    may also hold one object of numbers per implementation and a list of dispatch rules (their
-    ranges and fields are checked by ``ServingOptions``, ``TritonLaunch`` and ``decode.dispatch``)."""
+    """Launch parameters are named finite numbers, names (``cuda_decode``) or switches (``one_scan``,
+    ``residual_weights``); a CUDA profile's may also hold one object of numbers per implementation
+    and a list of dispatch rules (their ranges and fields are checked by ``ServingOptions``,
+    ``TritonLaunch`` and ``decode.dispatch``)."""
     for name, value in launch.items():
         if name in STRING_LAUNCH and isinstance(value, str) and value.strip():
+            continue
+        if name in BOOL_LAUNCH and isinstance(value, bool):
             continue
         if isinstance(value, Mapping):
             check_launch(value, f"{where} (launch.{name})")

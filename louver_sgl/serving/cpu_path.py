@@ -58,7 +58,9 @@ class CpuDecodePath(DecodePath):
         self.groups: tuple[DecodeGroup, ...] = ()
 
     def _make_decode(self, config: LouverConfig) -> LouverDecode:
-        return LouverDecode(config, "cpu", launch={"chunk_pages": self.serving.chunk_pages}, shapes=self.shapes)
+        launch = {"chunk_pages": self.serving.chunk_pages, "one_scan": self.serving.one_scan,
+                  "residual_weights": self.serving.residual_weights}
+        return LouverDecode(config, "cpu", launch=launch, shapes=self.shapes)
 
     def prepare(self, forward_batch: ForwardBatch, in_graph: bool = False) -> DecodeForward:
         if in_graph:
