@@ -25,12 +25,12 @@ LENS = [1500, 700, 129, 2000]
 SIGMA = 1 / math.sqrt(64)
 
 
-def _case(dtype=torch.float32, seed=0, page_size=16, bits=8, groups=3, eps=1e-2):
+def _case(dtype=torch.float32, seed=0, page_size=16, bits=8, groups=3, eps=1e-2, dim=64):
     config = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
-    k, v, table, lens = make_paged(LENS, page_size, 2, 64, seed=seed, dtype=dtype)
-    store = PageIndexStore(config, len(k) // page_size, 2, 64, dtype)
+    k, v, table, lens = make_paged(LENS, page_size, 2, dim, seed=seed, dtype=dtype)
+    store = PageIndexStore(config, len(k) // page_size, 2, dim, dtype)
     store.build_pages(k, torch.arange(store.num_pages))
-    q = (torch.randn(len(LENS), 2 * groups, 64, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(dtype)
+    q = (torch.randn(len(LENS), 2 * groups, dim, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(dtype)
     return config, q, k, v, table, lens, store
 
 
@@ -73,12 +73,16 @@ def _same_step(one, two, pages_read_too=True):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("page_size,bits,groups", [(16, 8, 3), (16, 4, 3), (32, 4, 4), (16, 8, 1)])
+@pytest.mark.parametrize("page_size,groups,dim", [(16, 3, 64), (32, 4, 64), (16, 1, 64), (8, 3, 64), (16, 3, 96)],
+                         ids=["p16-g3", "p32-g4", "p16-g1", "p8-tokens", "d96-no-vnni"])
 @pytest.mark.parametrize("eps", [1e-2, 1e-4])
-def test_one_scan_is_the_two_scan_step(dtype, page_size, bits, groups, eps):
+def test_one_scan_is_the_two_scan_step(dtype, page_size, groups, dim, eps):
+    """8-bit codes (the one-scan step's): 16-token VNNI blocks, the per-token path (pages of 8)
+    and the plain one (D = 96)."""
     needs_impl("cpu")
-    case = _case(dtype, page_size=page_size, bits=bits, groups=groups, eps=eps)
+    case = _case(dtype, page_size=page_size, groups=groups, eps=eps, dim=dim)
     one, two = _step(*case), _step(*case, one_scan=False)
+    assert one.paged_requests == set()  # no request took the two scans
     # pages read: the scan reads every page some head keeps at its reserve level, the second
     # scan only those kept at T
     _same_step(one, two, pages_read_too=False)
@@ -130,6 +134,14 @@ def test_a_nan_key_keeps_the_contract():
     for m1, m2 in zip(one.attended, two.attended):
         assert torch.equal(m1, m2)
     torch.testing.assert_close(one.out, two.out, rtol=0, atol=1e-5, equal_nan=True)
+
+
+def test_four_bit_codes_keep_the_two_scans():
+    """With 4-bit codes the step keeps its two scans (CpuLaunch.one_scan applies to 8-bit codes):
+    every request's attend pass opens pages."""
+    needs_impl("cpu")
+    case = _case(bits=4)
+    assert _step(*case).paged_requests == set(range(len(LENS)))
 
 
 def test_launch_values_are_checked():

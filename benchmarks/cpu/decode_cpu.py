@@ -55,6 +55,10 @@ POLICIES = {
     # the plain names above run it in one scan, design notes "Certified in one code pass")
     "certified-1e-2-two-scans": {"policy": "certified", "eps": 1e-2, "launch": {"one_scan": False}},
     "certified-1e-3-two-scans": {"policy": "certified", "eps": 1e-3, "launch": {"one_scan": False}},
+    # residual int8 weights in the compiled token bounds (launch residual_weights=True)
+    "certified-1e-2-residual": {"policy": "certified", "eps": 1e-2, "launch": {"residual_weights": True}},
+    "certified-1e-3-residual": {"policy": "certified", "eps": 1e-3, "launch": {"residual_weights": True}},
+    "budget-0.05-residual": {"policy": "budget", "budget": 0.05, "launch": {"residual_weights": True}},
 }
 INDEXES = {
     "grid-8bit": {"family": "grid", "grid_bits": 8},

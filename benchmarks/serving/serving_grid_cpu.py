@@ -38,6 +38,9 @@ CONFIGS = {
     "certified-1e-3-a-posteriori": ("louver", "certified-1e-3-a-posteriori",
                                     {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                      "LOUVER_CERTIFIED_RULE": "a_posteriori"}),
+    # the certified histogram rule with two scans of the codes (the compiled step before its one-scan pass)
+    "certified-1e-3-two-scans": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
+                                                              "LOUVER_ONE_SCAN": "0"}),
     # louver's decode over SGLang's own torch_native extend: TTFT like for like with torch_native
     # (louver's default CPU extend, torch_native_prefix, attends only the new queries and is faster)
     "budget-0.05-native-extend": ("louver", "budget-0.05", {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.05",

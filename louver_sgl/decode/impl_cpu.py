@@ -36,11 +36,14 @@ class CpuLaunch:
     """Launch parameters of the compiled CPU step (profile values; ``louver-tune`` searches them).
 
     chunk_pages: most pages one task of the attend pass takes (split-K granularity).
-    one_scan: certified steps of the histogram rule read the codes once: the pass that builds the
-      histogram also keeps every token whose bound reaches the safe level (the lowest level the
-      rule can choose) in a reserve, and the attend pass reads the reserve at the chosen T instead
-      of the codes (design notes, "Certified in one code pass"). Same T, keys and certificate as
-      the two scans (False), up to the histogram's fp64 rounding.
+    one_scan: certified steps of the histogram rule over 8-bit codes read them once: the pass that
+      builds the histogram also keeps every token whose bound reaches the safe level (the lowest
+      level the rule can choose) in a reserve, and the attend pass reads the reserve at the chosen
+      T instead of the codes (design notes, "Certified in one code pass"). Same T, keys and
+      certificate as the two scans (False), up to the histogram's fp64 rounding. Over 4-bit codes
+      the step keeps its two scans: their second scan reads half the bytes and their looser
+      bounds fill a larger reserve, and one scan measured slower there (docs/benchmarks.md,
+      "Certified in one scan and residual weights").
     reserve_offset: where the one-scan reserve starts, in threshold edges (σ·0.25) from the safe
       level's edge. −1 (default) leaves one edge of margin: the rule's edge never lies below it.
       Higher offsets keep a smaller reserve, and a request with a head whose edge lies below its
@@ -173,7 +176,8 @@ class CpuDecode(DecodeImplementation):
     def _one_scan(self) -> bool:
         """Whether this step's certified histogram rule runs in one scan (CpuLaunch.one_scan)."""
         policy = self.config.threshold
-        return self.launch.one_scan and policy.certified and not policy.one_pass and not policy.a_posteriori
+        return (self.launch.one_scan and self.config.grid_bits == 8 and policy.certified and not policy.one_pass
+                and not policy.a_posteriori)
 
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
