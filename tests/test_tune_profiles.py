@@ -287,10 +287,15 @@ def test_shipped_fp32_profile_is_chosen_for_an_fp32_pool(device):
         assert selection.kind == "exact" and selection.message.find(name) >= 0, selection.message
 
 
-def test_the_amd_avx512_machine_serves_fp32_with_its_fp16_profile_layout():
-    """No fp32 study has run on the AMD EPYC AVX-512 machine: an fp32 pool there takes level 2."""
-    _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, "float32"), search(SHIPPED_DIR), "AMD EPYC avx512")
-    assert selection.kind == "other_dtype" and "cpu_amd_epyc_avx512.json" in selection.message
+def test_the_amd_avx512_machine_serves_fp32_with_its_fp32_profile():
+    """The fp32 study of the AMD EPYC AVX-512 machine (docs/tuning.md): an fp32 pool there takes its
+    own profile, an fp16 one the fp16 profile."""
+    config, serving, selection = resolve_options("cpu", Shapes(64, 9, 3, "float32"), search(SHIPPED_DIR),
+                                                 "AMD EPYC avx512")
+    assert selection.kind == "exact" and "cpu_amd_epyc_avx512.float32.json" in selection.message
+    assert config.grid_bits == 8 and serving.one_scan is True and serving.residual_weights is False
+    _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, "float16"), search(SHIPPED_DIR), "AMD EPYC avx512")
+    assert selection.kind == "exact" and selection.message.find("cpu_amd_epyc_avx512.json") >= 0
 
 
 def test_cpu_threads_restores_the_count():

@@ -17,7 +17,8 @@ Rules compared (all with the step's own fp32 bounds, ``PageIndexStore`` of ``--g
   complement's true mass is ≤ eps·Z; per KV head, the union of its group's sets.
 
 With ``--int8`` the token bounds are the compiled kernels' int8 ones (what ``cpu`` and ``triton``
-gate and certify with). It checks on every case that recall of {s ≥ T} is 1 and that the true
+gate and certify with); with ``--residual`` too, the compiled CPU step's with residual int8 weights
+(``CpuLaunch.residual_weights``). It checks on every case that recall of {s ≥ T} is 1 and that the true
 dropped mass is ≤ ε for the certified rules, and reports how often the band pass runs (query
 heads, and requests with any).
 
@@ -47,9 +48,11 @@ from benchmarks.record import stamped
 SHARES = (4.0, 3.0, 2.0, 1.0, 0.5)
 
 
-def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float, int8: bool = False) -> dict:
+def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: float, int8: bool = False,
+                residual: bool = False) -> dict:
     """One query ``[H_q, D]`` over ``keys`` ``[n, H_kv, D]``: bounds (with ``int8`` the compiled
-    kernels' int8 token bounds, ``reference_compiled.int8_token_bounds_reference``), exact part, exact scores."""
+    kernels' int8 token bounds, ``reference_compiled.int8_token_bounds_reference``, with residual
+    weights where ``residual``), exact part, exact scores."""
     n, h_kv, _ = keys.shape
     size, groups = config.page_size, q.shape[0] // h_kv
     _, indexed, _ = split_pages(n, config)
@@ -66,7 +69,7 @@ def case_inputs(keys, q, store: PageIndexStore, config: LouverConfig, sigma: flo
     rows = q.float().view(1, h_kv, groups, -1).expand(len(page_ids), -1, -1, -1).contiguous()
     bounds = store.page_bounds(rows, page_ids)
     if int8:
-        tok = int8_token_bounds_reference(*bounds.terms, store.page_codes(page_ids), config.grid_bits)
+        tok = int8_token_bounds_reference(*bounds.terms, store.page_codes(page_ids), config.grid_bits, residual)
     else:
         tok = store.token_bounds(bounds, page_ids)
     pb = bounds.page_bound.reshape(len(page_ids), -1)
@@ -140,7 +143,7 @@ def measure_case(c: dict, eps: float, sigma: float) -> dict:
     return row
 
 
-def measure(path: Path, eps_list, config: LouverConfig, int8: bool = False) -> list[dict]:
+def measure(path: Path, eps_list, config: LouverConfig, int8: bool = False, residual: bool = False) -> list[dict]:
     trace = load_trace(path)
     sigma = float(trace["meta"]["softmax_scale"])
     rows = []
@@ -152,7 +155,7 @@ def measure(path: Path, eps_list, config: LouverConfig, int8: bool = False) -> l
             store = PageIndexStore(config, (pos + 1) // config.page_size + 1, h_kv, k.shape[2], k.dtype)
             full = (pos + 1) // config.page_size
             store.build_pages(k[: full * config.page_size], torch.arange(full))
-            c = case_inputs(k, queries[qi], store, config, sigma, int8)
+            c = case_inputs(k, queries[qi], store, config, sigma, int8, residual)
             for eps in eps_list:
                 rows.append(dict(trace=path.name, layer=layer, query=qi, eps=eps, indexed=c["n_idx"] * h_kv,
                                  heads=queries.shape[1], rules=measure_case(c, eps, sigma)))
@@ -201,7 +204,7 @@ def markdown(table: list[dict], rules: list[str]) -> str:
 
 def _result_key(args: argparse.Namespace) -> str:
     """The entry of the result file one index configuration writes and ``--markdown`` reads."""
-    return f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "")
+    return f"grid{args.grid_bits}-p{args.page_size}" + ("-int8" if args.int8 else "") + ("-residual" if args.residual else "")
 
 
 def main() -> None:
@@ -213,10 +216,14 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/certified_oracle.json")
     parser.add_argument("--int8", action="store_true",
                         help="gate and certify with the compiled kernels' int8 token bounds (cpu, triton)")
+    parser.add_argument("--residual", action="store_true",
+                        help="with --int8: the compiled CPU step's bounds with residual int8 weights")
     parser.add_argument("--markdown", nargs="*", metavar="RULE",
                         help="print the docs table of --out for these rules (default: histogram, "
                              "a_posteriori at the default share, exact_z, oracle) and exit")
     args = parser.parse_args()
+    if args.residual and not args.int8:
+        parser.error("--residual needs --int8 (it is a form of the compiled kernels' int8 bounds)")
     if args.markdown is not None:
         share = f"a_posteriori-{LouverConfig.estimate_share:g}"
         rules = args.markdown or ["histogram", share, "exact_z", "oracle"]
@@ -226,7 +233,7 @@ def main() -> None:
     start = time.time()
     rows = []
     for path in args.traces:
-        rows += measure(Path(path), args.eps, config, args.int8)
+        rows += measure(Path(path), args.eps, config, args.int8, args.residual)
         print(f"[certified_oracle] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr)
     table = summarize(rows)
     for row in table:
