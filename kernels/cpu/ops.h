@@ -84,11 +84,11 @@ struct StepPlan {
   torch::Tensor z_lb, hist, habs, certificate;
   torch::Tensor m2, l2, o2;  // m, l, o viewed as [NC, H_q] / [NC, H_q, D_v] for the merge
   // the a-posteriori rule's band pass: chunk states shaped like m, l, o, counts and mass (empty
-  // when the layer's policy has no band pass)
+  // when the layer's policy has no band pass or one-scan reserve)
   torch::Tensor band_m, band_l, band_o, band_counts, band_mass;
   // and the first pass's page bounds and page magnitudes (page_terms' mag) [NP, H_q] f32 and
-  // reserve (AttendArgs::t_reserve): slot, pos [NP·P·H_kv] i64, bound [NP·P·H_kv, G] f32, count
-  // [NC, H_kv] i64
+  // reserve (AttendArgs::t_reserve; the one-scan certified step's too, run_scan_pass): slot, pos
+  // [NP·P·H_kv] i64, bound [NP·P·H_kv, G] f32, count [NC, H_kv] i64
   torch::Tensor band_pb, band_mag, reserve_slot, reserve_pos, reserve_bound, reserve_count;
 };
 

@@ -8,8 +8,10 @@ statistics and the output conversion as one call, ``LayerStep.run``, over a laye
 per layer (``CompiledLayer``) and a plan side made once per forward pass (``StepPlan``). Certified
 steps choose T between the exact part and the attend pass by one compiled pass over every page's
 codes (``certified_threshold``: the histogram of all token bounds, the int8 ones the attend pass
-gates with; the rule is ``threshold.certified_choice``). Every compiled phase has its torch
-specification in reference_compiled.py, impl_torch.py or threshold.py.
+gates with; the rule is ``threshold.certified_choice``); over 8-bit codes that pass also keeps
+every token reaching the safe level in a reserve, which the attend pass reads instead of the codes
+(``CpuLaunch.one_scan``, ``run_scan_pass``). Every compiled phase has its torch specification in
+reference_compiled.py, impl_torch.py or threshold.py.
 """
 
 from __future__ import annotations
