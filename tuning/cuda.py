@@ -59,7 +59,9 @@ class CudaTarget(Target):
     fixed to the grid (the clustered family has no CUDA kernels)."""
 
     name = "cuda"
-    fixed_config = {"family": ["grid"]}
+    # the grid family's codes; certified steps of the histogram rule (the fused kernels refuse the
+    # one-pass rule; triton_stream's is a dispatch choice, not a profile's)
+    fixed_config = {"family": ["grid"], "certified_passes": [2]}
     code_layout = "token"  # the Triton kernels read token rows (also when interpreted on CPU)
 
     def __init__(self, repeats: int = 20, warmup: int = 3, device: str = "cuda") -> None:

@@ -65,6 +65,8 @@ INDEXES = {
     "grid-4bit": {"family": "grid", "grid_bits": 4},
     # the index of the shipped CPU profile (louver_sgl/profiles/cpu_amd_epyc_avx512.json)
     "grid-4bit-p128": {"family": "grid", "grid_bits": 4, "page_size": 128},
+    # the index of the AMD EPYC AVX-512 and Intel fp32 profiles
+    "grid-8bit-p128": {"family": "grid", "grid_bits": 8, "page_size": 128},
     "clustered-S16-bf4": {"family": "clustered", "n_subspaces": 16, "cluster_size": 4},
 }
 
