@@ -220,19 +220,22 @@ def test_disabled_profile_uses_the_plain_defaults(tmp_path):
 
 def test_generic_rule_majority_then_gain_and_conservative_dispatch():
     """Per knob the most common choice, a tie going to the profile that gained most; the machine's
-    thread count; the largest min_sparse_tokens and dense_fallback_fraction."""
+    thread count; the largest min_sparse_tokens and dense_fallback_fraction. A profile that does not
+    name a knob ran with its default and counts with it (C's fraction 1.0; only A searched
+    certified_passes, so the two others' 2 outvote its 1)."""
     def tuned(name, gain, chunk_pages, **config):
         return Profile.from_dict(profile_dict(device_name=f"{name} avx512", config=config,
                                               launch={"chunk_pages": chunk_pages, "num_threads": 2},
                                               measured={"speedup_vs_defaults": gain}))
 
-    profiles = [tuned("A", 1.5, 64, page_size=64, grid_bits=8, min_sparse_tokens=1024, dense_fallback_fraction=0.5),
+    profiles = [tuned("A", 1.5, 64, page_size=64, grid_bits=8, min_sparse_tokens=1024, dense_fallback_fraction=0.5,
+                      certified_passes=1),
                 tuned("B", 3.0, 16, page_size=128, grid_bits=4, min_sparse_tokens=8192, dense_fallback_fraction=0.7),
                 tuned("C", 1.2, 32, page_size=128, grid_bits=8, min_sparse_tokens=0)]
     generic = derive_generic(profiles, "cpu", "avx512")
     assert generic.generic and generic.shapes is None and generic.isa == "avx512"
     assert dict(generic.config) == {"page_size": 128, "grid_bits": 8, "min_sparse_tokens": 8192,
-                                    "dense_fallback_fraction": 0.7}
+                                    "dense_fallback_fraction": 1.0, "certified_passes": 2}
     assert dict(generic.launch) == {"chunk_pages": 16, "num_threads": 0}  # 64, 16, 32 once each: B gained most
     assert derive_generic(profiles, "cpu", "avx2") is None
     assert Profile.from_dict(generic.to_dict()) == generic

@@ -14,6 +14,11 @@ A generic profile is derived from the tuned profiles of one instruction set (``c
   machine found it faster than dense attention);
 * ``dense_fallback_fraction``: the largest (a fallback adds a dense step to the sparse one).
 
+A tuned profile that does not name a ``LouverConfig`` field or a CPU launch field
+(``ServingOptions``) ran with its default, so it counts with that value: a knob that only later
+studies searched (``certified_passes``, ``one_scan``) does not take one study's choice for every
+machine.
+
 ``louver-tune generic`` rewrites the shipped generic files from the shipped tuned profiles, and a
 test holds the shipped files equal to what this rule derives.
 """
@@ -46,15 +51,41 @@ def derive_generic(profiles: Iterable[Profile], target: str, isa: str | None = N
                      key=lambda p: (-_gain(p), p.device_name, p.kv_dtype or ""))
     if not sources:
         return None
-    config = {name: _choose(name, [p.config[name] for p in sources if name in p.config])
+    config = {name: _choose(name, [_value(p.config, name, _config_default) for p in sources
+                                   if name in p.config or _config_default(name) is not _NONE])
               for name in _names(p.config for p in sources)}
-    launch = {name: MACHINE_THREADS.get(name, _choose(name, [p.launch[name] for p in sources if name in p.launch]))
+    launch = {name: MACHINE_THREADS.get(name, _choose(name, [_value(p.launch, name, _launch_default) for p in sources
+                                                             if name in p.launch or _launch_default(name) is not _NONE]))
               for name in _names(p.launch for p in sources)}
     versions = Counter(p.louver_version for p in sources)
     measured = {"rule": "profiles.generic.derive_generic",
                 "derived_from": [f"{p.device_name} {p.kv_dtype}" for p in sources]}
     return Profile(target, f"generic {isa or target}", versions.most_common(1)[0][0], config, launch, None,
                    measured, isa=isa, generic=True)
+
+
+_NONE = object()  # no default: a profile without the knob does not count
+
+
+def _config_default(name: str) -> Any:
+    from ..config import LouverConfig
+
+    return getattr(LouverConfig(), name, _NONE)
+
+
+def _launch_default(name: str) -> Any:
+    """The ``ServingOptions`` default of a CPU launch field (a CUDA profile's Triton fields and
+    dispatch rules have none here: only the profiles that name them count)."""
+    from ..settings import ServingOptions
+
+    return getattr(ServingOptions(), name, _NONE) if name in CPU_LAUNCH else _NONE
+
+
+CPU_LAUNCH = ("chunk_pages", "num_threads", "one_scan", "residual_weights")
+
+
+def _value(section: dict, name: str, default) -> Any:
+    return section[name] if name in section else default(name)
 
 
 def _gain(profile: Profile) -> float:
