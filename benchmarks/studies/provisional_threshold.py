@@ -13,7 +13,12 @@ Provisional levels compared, per query head:
   (n/M)·Σ_{u_i < u_j} exp(σ(u_i − ref)), stays within c·eps·Z_lb; floored at ``safe``;
 * ``sample-scores-c``: the same from the sample's exact scores (which the exact part has already);
 * ``previous - d``: the previous decode step's certified T minus d/σ (the trace's queries are
-  consecutive positions), floored at ``safe``.
+  consecutive positions), floored at ``safe``;
+* ``...-zatt`` (checked against Z_att, the a-posteriori rule's denominator: Z_dense plus the exact
+  mass of the keys the head keeps at T_p, a lower bound of Z at least Z_lb): ``safe-est-s``, the
+  safe level with Z_est = max(Z_lb, s·(Z_dense + (n/M)·Z_sample)) in place of Z_lb (the
+  a-posteriori rule's estimate), and ``sample-scores-est-c``, the sample-scores level against
+  c·eps·Z_est; both floored at ``safe``. A failing check takes the histogram rule, as above.
 
 For each rule: the fraction of (query, head) checks that pass, and the mean ratio of indexed
 candidates kept to those the histogram rule keeps (passing checks; a failing one keeps the
@@ -40,11 +45,14 @@ from benchmarks.record import write_result
 
 MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
 SAMPLE_SHARES = (0.05, 0.1, 0.25, 0.5)
+EST_SHARES = (1.0, 3.0)  # the a-posteriori rule's estimate_share values
 
 
 def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, config: LouverConfig, sigma: float):
     """Per query head of one query over ``keys`` [n, H_kv, D]: page bounds [NP, H], clamped token
-    bounds [NP, P, H], ref [H], Z_lb [H] (the reference step's definitions)."""
+    bounds [NP, P, H], ref [H], Z_lb [H] (the reference step's definitions), the sample's exact
+    scores [M, H], Z_dense and Z_sample [H] (Z_lb's two parts) and the indexed keys' exact scores
+    [NP, P, H]."""
     n, h_kv, _ = keys.shape
     size = config.page_size
     groups = q.shape[0] // h_kv
@@ -56,6 +64,9 @@ def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, conf
     known[idx_pos[_sample_positions(len(idx_pos), config.sample_size)]] = True
     ref = torch.where(known, scores, -math.inf).amax(1)
     z_lb = torch.where(known, torch.exp(th.log_mass(scores, ref[:, None], sigma)), 0.0).sum(1)
+    dense = torch.ones(n, dtype=torch.bool)
+    dense[idx_pos] = False
+    z_dense = torch.where(dense, torch.exp(th.log_mass(scores, ref[:, None], sigma)), 0.0).sum(1)
     page_ids = torch.arange(indexed.start, indexed.stop)
     rows = q.float().view(1, h_kv, groups, -1).expand(len(page_ids), -1, -1, -1).contiguous()
     bounds = store.page_bounds(rows, page_ids)
@@ -63,7 +74,8 @@ def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, conf
     pb = bounds.page_bound.reshape(len(page_ids), -1)
     tb = torch.minimum(tok.reshape(len(page_ids), size, -1), pb[:, None, :])
     sample_scores = scores[:, idx_pos[_sample_positions(len(idx_pos), config.sample_size)]].t()  # [M, H]
-    return pb, tb, ref, z_lb, sample_scores
+    exact = scores[:, idx_pos].t().reshape(len(page_ids), size, -1)
+    return pb, tb, ref, z_lb, sample_scores, z_dense, z_lb - z_dense, exact
 
 
 def dropped_and_kept(pb, tb, ref, t, sigma):
@@ -93,6 +105,12 @@ def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size, values=No
     return level.float()
 
 
+def attended_mass(pb, tb, exact, ref, t, sigma):
+    """The exact mass [H] fp64 of the indexed keys each head keeps at t (its part of Z_att)."""
+    keep = ~(pb < t)[:, None, :] & ~(tb < t)
+    return (torch.exp(th.log_mass(exact, ref, sigma).double().clamp(max=700)) * keep).sum((0, 1))
+
+
 def safe_level(ref, z_lb, n_indexed, sigma, eps_budget, rounding):
     return (ref.double() + torch.log(eps_budget * z_lb / ((1 + rounding) * n_indexed)) / sigma).float()
 
@@ -113,7 +131,8 @@ def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
         eps_budget = eps * th.BUDGET_SAFETY
         prev_t = None
         for qi in range(queries.shape[0]):
-            pb, tb, ref, z_lb, sample_scores = head_inputs(k, queries[qi], store, config, sigma)
+            pb, tb, ref, z_lb, sample_scores, z_dense, z_sample, exact = head_inputs(k, queries[qi], store, config,
+                                                                                      sigma)
             n_idx = pb.shape[0] * config.page_size
             page_req = torch.zeros(pb.shape[0], dtype=torch.long)
             t_c, _, _, _ = th.certified_choice(pb, tb, page_req, ref[None], z_lb[None], sigma, eps_budget,
@@ -130,9 +149,20 @@ def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
             if prev_t is not None:
                 for d in MARGINS:
                     rules[f"previous-{d:g}"] = torch.maximum(prev_t - d / sigma, safe)
+            m = sample_scores.shape[0]
+            for est_share in EST_SHARES:
+                z_est = torch.maximum(z_lb, est_share * (z_dense + z_sample * n_idx / m))
+                rules[f"safe-est-{est_share:g}-zatt"] = torch.maximum(
+                    safe_level(ref, z_est, n_idx, sigma, eps_budget, th.HIST_ROUNDING), safe)
+                for share in SAMPLE_SHARES:
+                    est = sample_level(tb, ref, z_est, sigma, eps_budget, share, config.sample_size, sample_scores)
+                    rules[f"sample-scores-est{est_share:g}-{share:g}-zatt"] = torch.maximum(est, safe)
             for rule, t_p in rules.items():
                 d_p, kept_p = dropped_and_kept(pb, tb, ref, t_p, sigma)
-                ok = d_p * (1 + th.HIST_ROUNDING) <= eps_budget * z_lb
+                z = z_lb
+                if rule.endswith("-zatt"):
+                    z = torch.maximum(z_lb, z_dense + attended_mass(pb, tb, exact, ref, t_p, sigma))
+                ok = d_p * (1 + th.HIST_ROUNDING) <= eps_budget * z
                 out.append(dict(trace=path.name, layer=layer, query=qi, rule=rule, eps=eps,
                                 passed=ok.tolist(), kept=kept_p.tolist(), kept_histogram=kept_c.tolist(),
                                 indexed=n_idx))
