@@ -64,8 +64,21 @@ class ThresholdPolicy:
 
     @property
     def a_posteriori(self) -> bool:
-        """A certified step checked against the mass it attended, with the band pass where it fails."""
+        """A certified step whose first level fits an estimate of Z and whose check divides by
+        Z_att, the exact mass it attended (with either pass count)."""
         return self.certified and self.rule == "a_posteriori"
+
+    @property
+    def band_pass(self) -> bool:
+        """The two-pass a-posteriori rule: the first level from the histogram, lowered where the
+        check fails, with a band pass over the keys between the two levels."""
+        return self.a_posteriori and self.passes == 2
+
+    @property
+    def one_pass_a_posteriori(self) -> bool:
+        """The one-pass rule with its provisional level from the estimate of Z, checked against
+        Z_att; a request with a failing head takes the histogram rule."""
+        return self.a_posteriori and self.passes == 1
 
     @property
     def gates_values(self) -> bool:

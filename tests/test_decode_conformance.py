@@ -34,6 +34,8 @@ LENS = [300, 701, 20, 64, 129]
 POLICIES = {"certified": dict(policy="certified", eps=0.05),
             "certified-one-pass": dict(policy="certified", eps=0.05, certified_passes=1),
             "certified-a-posteriori": dict(policy="certified", eps=0.05, certified_rule="a_posteriori"),
+            "certified-one-pass-a-posteriori": dict(policy="certified", eps=0.05, certified_passes=1,
+                                                    certified_rule="a_posteriori"),
             "budget": dict(policy="budget", budget=0.1),
             "fixed": dict(policy="fixed", fixed_threshold=3.0), "dense": dict(policy="dense")}
 # (name, page size, KV heads, group size, extra config)

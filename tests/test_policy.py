@@ -19,6 +19,8 @@ from louver_sgl.policy import ThresholdPolicy
     ({"policy": "certified"}, False, False, False, True, False, False, False, None),
     ({"policy": "certified", "certified_passes": 1}, False, False, False, True, True, False, False, None),
     ({"policy": "certified", "certified_rule": "a_posteriori"}, False, False, False, True, False, True, False, None),
+    ({"policy": "certified", "certified_rule": "a_posteriori", "certified_passes": 1}, False, False, False, True, True,
+     True, False, None),
     # the certified knobs mean nothing under another policy
     ({"policy": "budget", "certified_rule": "a_posteriori"}, False, False, True, False, False, False, True, None),
 ])
@@ -27,6 +29,7 @@ def test_each_policy_answers_which_rule_runs(changes, dense, fixed, budget, cert
     p = LouverConfig(**changes).threshold
     assert (p.dense, p.fixed, p.budget_rule, p.certified) == (dense, fixed, budget, certified)
     assert (p.one_pass, p.a_posteriori, p.gates_values, p.static_threshold) == (one_pass, a_post, gates, static)
+    assert p.band_pass == (a_post and not one_pass) and p.one_pass_a_posteriori == (a_post and one_pass)
 
 
 def test_kernel_arguments_and_the_certificate_check():

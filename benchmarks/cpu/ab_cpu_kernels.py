@@ -64,7 +64,7 @@ def baseline_step(ops, pb, store, config, plan, chunk_pages: int):
     """The baseline build's LayerStep.run on its own plan side (buffers of its own), through the
     named boundary this tree's step has (``impl_cpu._layer_step`` / ``impl_cpu._step_plan``)."""
     chunks = page_chunks(plan, chunk_pages)
-    band = (len(plan.page_ids), plan.page_size) if config.threshold.a_posteriori else None
+    band = (len(plan.page_ids), plan.page_size) if config.threshold.band_pass else None
     part = _Outputs(plan.batch_size, pb.q.shape[1], pb.k.shape[1], pb.v.shape[2], len(chunks[0]),
                     len(plan.dense_slots), config.sample_size, band=band)
     buffers = part.named()

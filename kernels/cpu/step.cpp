@@ -124,19 +124,20 @@ void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name
 }
 
 // The provisional level of the one-pass certified rule (threshold.safe_level): per (request, head)
-// T_p = ref + ln(eps_budget·Z_lb / ((1 + rounding)·n_indexed)) / σ, rounded down to fp32; every
-// dropped unit's bound is below T_p, so the mass it drops is below n_indexed·e^{σ(T_p − ref)} and
-// the check passes. −inf where nothing is indexed or a term is not finite.
-void provisional_levels(StepPlan& p, double sigma, double eps_budget, double rounding) {
+// T_p = ref + ln(eps_budget·Z / ((1 + rounding)·n_indexed)) / σ, rounded down to fp32, with Z =
+// z_level[i] (Z_lb, or the a-posteriori estimate Z_est). With Z_lb every dropped unit's bound is
+// below T_p, so the mass it drops is below n_indexed·e^{σ(T_p − ref)} and the check passes.
+// −inf where nothing is indexed or a term is not finite.
+void provisional_levels(StepPlan& p, const double* z_level, double sigma, double eps_budget, double rounding) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const float* ref = p.ref.data_ptr<float>();
-  const double* z_lb = p.z_lb.data_ptr<double>();
   const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
   float* t = p.t.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
-      const double level = double(ref[i]) + std::log(eps_budget * z_lb[i] / ((1.0 + rounding) * double(n_idx[b]))) / sigma;
+      const double level =
+          double(ref[i]) + std::log(eps_budget * z_level[i] / ((1.0 + rounding) * double(n_idx[b]))) / sigma;
       float down = static_cast<float>(level);
       if (double(down) > level) down = std::nextafter(down, -INFINITY);
       t[i] = (n_idx[b] > 0 && std::isfinite(level)) ? down : -INFINITY;
@@ -144,19 +145,23 @@ void provisional_levels(StepPlan& p, double sigma, double eps_budget, double rou
 }
 
 // The one-pass check (threshold.provisional_certified): a head is certified at its provisional T
-// when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z_lb; that
-// product is its certificate. Returns per request whether some head failed (NaN fails).
-std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding) {
+// when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z, with Z = Z_lb,
+// or with ``attended`` (the a-posteriori check) Z_att = max(Z_lb, Z_dense + the exact mass of the
+// attend pass's union candidates, masses[..., 2]); that product is its certificate. Returns per
+// request whether some head failed (NaN fails).
+std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding, bool attended) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double* masses = p.masses.data_ptr<double>();
   const double* z_lb = p.z_lb.data_ptr<double>();
+  const double* z = p.z.data_ptr<double>();
   double* cert = p.certificate.data_ptr<double>();
   std::vector<char> failed(B, 0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
+      const double z_check = attended ? std::max(z_lb[i], z[2 * i] + masses[3 * i + 2]) : z_lb[i];
       cert[i] = masses[3 * i] * (1.0 + rounding);
-      if (!(cert[i] <= eps_budget * z_lb[i])) failed[b] = 1;
+      if (!(cert[i] <= eps_budget * z_check)) failed[b] = 1;
     }
   return failed;
 }
@@ -370,8 +375,8 @@ LayerStep::LayerStep(Named& n)
       edges(Edges::read(n)) {
   n.done();
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
-  TORCH_CHECK(!a_posteriori || (eps_budget >= 0 && !one_pass && estimate_share > 0),
-              "LayerStep: a_posteriori is a two-pass certified rule with a positive estimate_share");
+  TORCH_CHECK(!a_posteriori || (eps_budget >= 0 && estimate_share > 0),
+              "LayerStep: a_posteriori is a certified rule with a positive estimate_share");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
               "LayerStep: the KV caches and the index must be CPU tensors");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(0) == v_cache.size(0) &&
@@ -439,7 +444,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
-    if (a_posteriori && p.page_ids.numel() > 0) {  // no indexed page: nothing to lower, the histogram path
+    if (a_posteriori && !one_pass && p.page_ids.numel() > 0) {  // no indexed page: the histogram path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
       torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
       estimated_z(p, estimate_share, z_est.data_ptr<double>());
@@ -516,10 +521,15 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       run_certified_pass(c);
       return run(kAttendMerge);
     }
-    provisional_levels(p, sigma, eps_budget, rounding);
+    std::vector<double> z_est;  // the a-posteriori one-pass rule's level divides by its estimate of Z
+    if (a_posteriori) {
+      z_est.resize(B * H);
+      estimated_z(p, estimate_share, z_est.data());
+    }
+    provisional_levels(p, a_posteriori ? z_est.data() : z_lb, sigma, eps_budget, rounding);
     run(kAttendMerge);
     chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding);
+    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding, a_posteriori);
     totals_summed = std::find(failed.begin(), failed.end(), 1) == failed.end();
     if (totals_summed) return;
     // the rare path: the certified pass (every request), then the passing requests' provisional

@@ -148,23 +148,41 @@ def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverCo
     fails take the histogram rule (``certified_filter``) instead. The token bounds of every page
     are an input here because the failing requests need them; the compiled step computes them
     a second time only for those."""
+    provisional = provisional_filter(pb, tok, page_req, ref, z_lb, sigma, config)
+    return settle_one_pass(provisional, pb, tok, page_req, ref, z_lb, z_lb, sigma, config)[0]
+
+
+def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: LouverConfig) -> FilterResult:
+    """The one-pass rule's gate: T_p = the safe level at ``z_level`` ``[B, H_q]`` fp64 (Z_lb, or
+    the a-posteriori estimate Z_est), with the gate's own dropped-mass bound as ``dropped``."""
     batch, size = ref.shape[0], tok.shape[1]
-    eps_budget = config.eps * th.BUDGET_SAFETY
     num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
-    t_p = th.safe_level(ref, z_lb, num_indexed, sigma, eps_budget, th.HIST_ROUNDING)
+    t_p = th.safe_level(ref, z_level, num_indexed, sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
     tok_p = torch.minimum(tok, pb[:, None, :])
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)
-    provisional = _apply(t_p, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)))
-    ok, certificate = th.provisional_certified(provisional.dropped, z_lb, eps_budget, th.HIST_ROUNDING)
+    return _apply(t_p, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)))
+
+
+def settle_one_pass(provisional: FilterResult, pb, tok, page_req, ref, z_check, z_lb, sigma: float,
+                    config: LouverConfig) -> tuple[FilterResult, torch.Tensor]:
+    """The one-pass check of ``provisional`` against ``z_check`` ``[B, H_q]`` fp64 (Z_lb, or the
+    a-posteriori rule's Z_att): (FilterResult with certificates as its dropped mass, failed
+    ``[B]`` bool). A request with a failing head takes the histogram rule at Z_lb."""
+    eps_budget = config.eps * th.BUDGET_SAFETY
+    ok, certificate = th.provisional_certified(provisional.dropped, z_check, eps_budget, th.HIST_ROUNDING)
     failed = ~ok.all(dim=1)
     if not bool(failed.any()):
         provisional.dropped = certificate
-        return provisional
+        return provisional, failed
     t_c, cert_c, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, eps_budget, th.HIST_ROUNDING)
-    t = torch.where(failed[:, None], t_c, t_p)
-    return _apply(t, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)),
+    t = torch.where(failed[:, None], t_c, provisional.threshold)
+    tok_p = torch.minimum(tok, pb[:, None, :])
+    x_page = th.log_mass(pb, ref[page_req], sigma)
+    x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)
+    filt = _apply(t, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)),
                   torch.where(failed[:, None], cert_c, certificate))
+    return filt, failed
 
 
 def _apply(t, pb, x_page, tok, x_tok, page_req, rows, certificate=None) -> FilterResult:

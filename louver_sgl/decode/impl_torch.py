@@ -22,7 +22,8 @@ from . import threshold as th
 from .contract import (
     DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs,
 )
-from .filter import FilterResult, a_posteriori_filter, a_posteriori_second, run_filter
+from .filter import (FilterResult, a_posteriori_filter, a_posteriori_second, provisional_filter, run_filter,
+                     settle_one_pass)
 from .plan import plan_decode
 from .segments import exact_scores, part_slack, seg_amax, seg_sum
 
@@ -60,9 +61,11 @@ def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=
     ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
-    if config.threshold.a_posteriori:
+    if config.threshold.band_pass:
         filt, cand = _a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
         union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
+    elif config.threshold.one_pass_a_posteriori:
+        filt, cand, union, fallback = _one_pass_a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
     else:
         filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
         union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
@@ -146,6 +149,27 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
     extra = _union_rows(filt, plan, h_kv) & ~_union_rows(first, plan, h_kv)
     extra &= ~fallback[plan.page_req][:, None, None]
     return filt, _cat(cand, _score(q32, k_cache, extra, torch.arange(len(plan.page_ids)), plan))
+
+
+def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
+    """The one-pass rule a posteriori (``filter.provisional_filter`` at Z_est, ``settle_one_pass``
+    against Z_att): the candidates at the provisional level are scored, their exact mass with the
+    dense part's is Z_att (every candidate's, as the compiled step sums it before its fallback
+    decision), and requests whose check fails are filtered and scored again by the histogram
+    rule. Returns (FilterResult, candidates, union, fallback)."""
+    batch, heads = ex.ref.shape
+    h_kv = k_cache.shape[1]
+    pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
+    tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
+    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
+    provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
+    cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
+    z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
+    filt, failed = settle_one_pass(provisional, pb, tok, plan.page_req, ex.ref, z_att, ex.z_lb, sigma, config)
+    union, fallback = _fallback_mask(filt, plan, h_kv, config)
+    if bool(failed.any()) or bool(fallback.any()):
+        cand = _candidates(q32, k_cache, filt, plan, fallback)
+    return filt, cand, union, fallback
 
 
 def _cat(a: _Candidates, b: _Candidates) -> _Candidates:

@@ -121,7 +121,7 @@ class GpuWorkspace:
             fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
             max_pages=max_pages,
         )
-        if config.threshold.a_posteriori:
+        if config.threshold.band_pass:
             ws.band = BandBuffers.like(ws)
         return ws
 
@@ -139,7 +139,7 @@ class GpuWorkspace:
     def fits(self, shapes: HeadShapes, config: LouverConfig) -> bool:
         return (self.ref.shape[1] == shapes.num_q_heads and self.m.shape[1] == shapes.num_kv_heads
                 and self.o.shape[-1] == shapes.head_dim_v and self.sample.shape[-1] == config.sample_size
-                and (self.band is not None) == config.threshold.a_posteriori)
+                and (self.band is not None) == config.threshold.band_pass)
 
 
 @dataclass
@@ -230,6 +230,9 @@ class TritonDecode(TritonImplementation):
         super().check_config(config, device)
         if config.threshold.one_pass and not cls.one_pass_certified:
             cls.reject("certified_passes", 1, "its kernels choose the certified T by the histogram pass")
+        if config.threshold.one_pass_a_posteriori:
+            cls.reject("certified_rule", "a_posteriori", "with certified_passes=1: its one-pass check divides by "
+                       "Z_lb on the device (use certified_passes=2 for the a-posteriori rule)")
 
     def run(self, plan: TritonPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,

@@ -90,7 +90,7 @@ class TritonStreamDecode(TritonDecode):
                                       ws.ref.shape[1], self.device)
 
     def stages(self, q, k_cache, v_cache, ws: GpuWorkspace, store, sigma: float, out, keep) -> list:
-        if self.config.threshold.a_posteriori:
+        if self.config.threshold.band_pass:
             # the band pass must see the first pass's bounds bit for bit; the fused kernels run both
             # passes in one binary, the filter kernel and the fused band kernel are two
             return super().stages(q, k_cache, v_cache, ws, store, sigma, out, keep)

@@ -8,7 +8,8 @@ One request and one query head at a time, with every rule written out directly:
   3. Threshold T by policy (certified: the largest edge whose dropped mass fits, pages first; with
      ``certified_passes=1`` the provisional level where every head's dropped mass fits there;
      with ``certified_rule="a_posteriori"`` the level that fits an estimate of Z, lowered where
-     its mass does not fit the exact mass Z_att of what the step attends there).
+     its mass does not fit the exact mass Z_att of what the step attends there; with both, the
+     provisional level at the estimate, checked against Z_att, else the histogram rule).
   4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
      set of every head of a GQA group is the union of the group's candidates, minus (value gate)
      candidates whose exact score is below the head's T (budget and fixed policies only).
@@ -71,9 +72,12 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
     z_dense = torch.where(dense, torch.exp(x_all - sigma * part(dense)[:, None]), 0.0).sum(1)
     z_lb = z_dense + torch.where(is_sample, torch.exp(x_all - sigma * part(is_sample)[:, None]), 0.0).sum(1)
     pb, tb = _request_bounds(q, pages_row[indexed.start:indexed.stop].long(), store, h_q)
-    if cfg.threshold.a_posteriori and len(idx_pos):
+    if cfg.threshold.band_pass and len(idx_pos):
         t, keep, dropped = _a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
                                          groups)
+    elif cfg.threshold.one_pass_a_posteriori and len(idx_pos):
+        t, keep, dropped = _one_pass_a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample),
+                                                  sigma, cfg, groups)
     else:
         t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
     union = keep.view(h_kv, groups, -1).any(1).repeat_interleave(groups, dim=0)  # [H_q, n_idx]
@@ -124,18 +128,40 @@ def _threshold_and_keep(pb, tb, s_idx, ref, z_lb, sigma, cfg: LouverConfig):
     return t, keep, dropped
 
 
-def _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
-    """The one-pass certified rule: T = the provisional level of every head, kept if every head's
-    dropped mass (times 1 + rounding: the certificate) fits eps·Z_lb; None if one does not (the
-    request then takes the histogram rule)."""
+def _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig, z_level=None, z_check=None):
+    """The one-pass certified rule: T = the provisional level of every head (the safe level at
+    ``z_level``, Z_lb unless given), kept if every head's dropped mass (times 1 + rounding: the
+    certificate) fits eps·``z_check`` (Z_lb unless given: a function of the candidate mask
+    ``[H_q, n_idx]``); None if one does not (the request then takes the histogram rule)."""
     size = cfg.page_size
     eps_budget = cfg.eps * th.BUDGET_SAFETY
-    t = th.safe_level(ref[None], z_lb[None], torch.tensor([u.shape[1]]), sigma, eps_budget, th.HIST_ROUNDING)[0]
+    level = z_lb if z_level is None else z_level
+    t = th.safe_level(ref[None], level[None], torch.tensor([u.shape[1]]), sigma, eps_budget, th.HIST_ROUNDING)[0]
     keep_page = ~(pb < t[:, None])
     keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
     dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
-    ok, certificate = th.provisional_certified(dropped, z_lb, eps_budget, th.HIST_ROUNDING)
+    z = z_lb if z_check is None else z_check(keep)
+    ok, certificate = th.provisional_certified(dropped, z, eps_budget, th.HIST_ROUNDING)
     return (t, keep, certificate) if bool(ok.all()) else None
+
+
+def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: LouverConfig, groups):
+    """The one-pass rule a posteriori: the provisional level is the safe level at Z_est (the
+    a-posteriori rule's estimate of Z) and the check divides by Z_att = max(Z_lb, Z_dense + the
+    exact mass of the GQA union of candidates there); a request with a failing head takes the
+    histogram rule. Returns T, the candidate mask ``[H_q, n_idx]`` and the certificate."""
+    size, n_idx = cfg.page_size, tb.shape[1]
+    u = torch.minimum(tb, pb.repeat_interleave(size, dim=1))
+    x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
+    z_est = th.estimated_z(z_dense[None], (z_lb - z_dense)[None], torch.tensor([n_idx]), torch.tensor([n_sample]),
+                           cfg.estimate_share)[0]
+
+    def z_att(keep):
+        union = keep.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
+        return torch.maximum(z_lb, z_dense + _mass(x_idx, union))
+
+    one_pass = _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg, z_level=z_est, z_check=z_att)
+    return one_pass if one_pass is not None else _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
 
 
 def _budget(s_idx, cfg: LouverConfig):

@@ -1,0 +1,140 @@
+"""The one-pass rule a posteriori (``certified_passes=1``, ``certified_rule="a_posteriori"``): the
+provisional level is the safe level at the estimate Z_est, the check divides by Z_att, and a
+request whose check fails takes the histogram rule; the torch and compiled CPU steps follow the
+reference.
+
+(The conformance suite runs the option through every implementation's contract: recall 1.0,
+measured dropped mass below the bound, bound below eps.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import compiled_attended, fp64_request, implementations_here, make_paged, needs_impl
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode import LouverDecode
+from louver_sgl.decode.plan import _sample_positions, split_pages
+from louver_sgl.decode.reference import reference_decode
+
+LENS = [1500, 700, 129]
+SIGMA = 1 / math.sqrt(64)
+CONFIG = LouverConfig(page_size=16, policy="certified", eps=1e-2, certified_passes=1, certified_rule="a_posteriori",
+                      sample_size=32, dense_fallback_fraction=1.0)
+
+
+def _case(config=CONFIG, seed=0):
+    k, v, table, lens = make_paged(LENS, 16, 2, 64, seed=seed)
+    q = torch.randn(len(LENS), 6, 64, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    return config, q, k, v, table, lens
+
+
+def _store(config, k):
+    store = PageIndexStore(config, len(k) // 16, 2, 64, k.dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    return store
+
+
+def _step(impl, config, q, k, v, table, lens, store, attended=False):
+    launch = {"chunk_pages": 3} if impl == "cpu" else None
+    decode = LouverDecode(config, "cpu", impl=impl, launch=launch).plan(table, lens)
+    return decode.run(q, k, v, store, SIGMA, stats=True, attended=attended)
+
+
+def _adversarial(k, q, table, lens, config, b=0):
+    """Request b's keys rewritten so that the estimate overshoots Z: its sampled indexed keys score
+    40 (the reference score), every other key 0. Z_est ~ 4·n while Z ~ 32 (the sample), so the
+    safe level at Z_est (~14) drops every unsampled indexed key, whose mass (n·e^{−40σ} ~ 10) is
+    far above eps·Z_att (~0.3): the check fails."""
+    k, q = k.clone(), q.clone()
+    q[b] = 0.0
+    q[b, :, 0] = 4.0
+    n = int(lens[b])
+    pos = torch.arange(n)
+    slots = table[b, pos // config.page_size] * config.page_size + pos % config.page_size
+    k[slots] = torch.randn(n, k.shape[1], k.shape[2], generator=torch.Generator().manual_seed(3))
+    k[slots, :, 0] = 0.0  # score 0 for every key of the request
+    _, indexed, _ = split_pages(n, config)
+    idx = torch.arange(indexed.start * config.page_size, indexed.stop * config.page_size)
+    sampled = idx[_sample_positions(len(idx), config.sample_size)]
+    k[slots[sampled], :, 0] = 10.0  # score 40
+    return k, q
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_torch_step_equals_the_reference(seed):
+    """Same T per head as the reference, the same attended set, the certificate below eps."""
+    config, q, k, v, table, lens = _case(seed=seed)
+    store = _store(config, k)
+    _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
+    step = _step("torch", config, q, k, v, table, lens, store, attended=True)
+    for b in range(len(LENS)):
+        torch.testing.assert_close(step.stats.threshold[b], info[b]["threshold"], rtol=1e-5, atol=1e-4)
+        assert torch.equal(step.attended[b], info[b]["attended"])
+    assert bool((step.stats.mass_bound < config.eps).all())
+
+
+def test_the_estimate_keeps_fewer_keys_than_the_safe_level_at_z_lb():
+    """Where the check passes, T_p at Z_est ≥ Z_lb is at or above the one-pass rule's T_p at Z_lb
+    (strictly above on these keys), so no head keeps more candidates."""
+    config, q, k, v, table, lens = _case()
+    store = _store(config, k)
+    est = _step("torch", config, q, k, v, table, lens, store).stats
+    lb = _step("torch", config.with_(certified_rule="histogram"), q, k, v, table, lens, store).stats
+    assert bool((est.threshold >= lb.threshold).all()) and bool((est.threshold > lb.threshold).any())
+    assert bool((est.candidates <= lb.candidates).all()) and int(est.candidates.sum()) < int(lb.candidates.sum())
+
+
+def test_compiled_step_takes_the_reference_level():
+    """The compiled step's T is the reference's provisional level at Z_est (its exact part's masses
+    match to rounding), it certifies below eps in the one pass, and it attends its int8 bounds'
+    set at that T with the counters of that set."""
+    needs_impl("cpu")
+    # share 1: on these random keys the compiled int8 token bounds (looser than the reference's
+    # fp32 ones) pass the check in every head at share 1, not at 3 (each implementation checks
+    # its own bounds' dropped mass; a failing request takes the histogram rule, tested below)
+    config, q, k, v, table, lens = _case(CONFIG.with_(estimate_share=1.0), seed=4)
+    store = _store(config, k)
+    _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
+    step = _step("cpu", config, q, k, v, table, lens, store, attended=True)
+    hist = _step("cpu", config.with_(certified_passes=2, certified_rule="histogram"), q, k, v, table, lens, store)
+    for b in range(len(LENS)):
+        # the compiled Z_dense and Z_sample are fp32-exp lower bounds (kMassDown): T moves by
+        # ln(that factor)/σ, while a wrong term of the level (n, M, the share) moves it by ln(2)/σ
+        torch.testing.assert_close(step.stats.threshold[b], info[b]["threshold"], rtol=0, atol=1e-3)
+        assert not torch.equal(step.stats.threshold[b], hist.stats.threshold[b]), "the check failed"
+    assert bool((step.stats.mass_bound < config.eps).all())
+    spec = compiled_attended(q, k, table, lens, store, step.stats.threshold)
+    for b, mask in enumerate(step.attended):
+        assert torch.equal(mask, spec[b]), f"request {b}: attended set differs from its specification"
+        counted = mask.sum(1) - (int(lens[b]) - int(step.stats.num_indexed[b]))
+        assert torch.equal(counted, step.stats.candidates[b]), "counts differ from the attended set"
+
+
+@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in implementations_here("cpu")])
+def test_a_failed_check_takes_the_histogram_rule_for_that_request_only(impl):
+    """Request 0's keys make the estimate overshoot (``_adversarial``): its check fails with
+    finite terms, so it takes the histogram rule (its T and certificate equal the histogram
+    rule's two-pass step, and the reference's), its output keeps recall 1.0 and drops less than
+    eps; the other requests keep the one-pass level."""
+    config, q, k, v, table, lens = _case(seed=2)
+    k, q = _adversarial(k, q, table, lens, config)
+    store = _store(config, k)
+    step = _step(impl, config, q, k, v, table, lens, store, attended=True)
+    hist = _step(impl, config.with_(certified_passes=2, certified_rule="histogram"), q, k, v, table, lens, store)
+    _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
+    torch.testing.assert_close(step.stats.threshold[0], hist.stats.threshold[0], atol=0, rtol=0)
+    torch.testing.assert_close(step.stats.mass_bound[0], hist.stats.mass_bound[0], atol=0, rtol=0)
+    torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=1e-3)
+    # the histogram rule keeps the 0-score keys, far below the provisional level (~14) it replaced
+    assert bool((step.stats.threshold[0] < 7.0).all())
+    alone = _step(impl, config, q[1:], k, v, table[1:], lens[1:], store)
+    assert torch.equal(step.stats.threshold[1:], alone.stats.threshold)
+    scores, values = fp64_request(q, k, v, table, lens, 0, 16)
+    p = torch.softmax(SIGMA * scores, dim=1)
+    assert float((p * ~step.attended[0]).sum(1).max()) <= config.eps
+    assert not bool(((scores >= step.stats.threshold[0, :, None].double()) & ~step.attended[0]).any())
+    assert bool((step.stats.mass_bound < config.eps).all())
