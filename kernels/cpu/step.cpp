@@ -123,47 +123,73 @@ void check_buffer(const torch::Tensor& x, at::ScalarType dtype, const char* name
               " must be a contiguous CPU tensor of dtype ", dtype);
 }
 
-// The provisional level of the one-pass certified rule (threshold.safe_level): per (request, head)
-// T_p = ref + ln(eps_budget·Z / ((1 + rounding)·n_indexed)) / σ, rounded down to fp32, with Z =
-// z_level[i] (Z_lb, or the a-posteriori estimate Z_est). With Z_lb every dropped unit's bound is
-// below T_p, so the mass it drops is below n_indexed·e^{σ(T_p − ref)} and the check passes.
-// −inf where nothing is indexed or a term is not finite.
+// The safe level (threshold.safe_level) T = ref + ln(eps_budget·z / ((1 + rounding)·n_indexed)) / σ,
+// rounded down to fp32: every dropped unit's bound is below T, so the mass dropped is below
+// n_indexed·e^{σ(T − ref)}, which fits eps_budget·z. −inf where nothing is indexed or a term is
+// not finite.
+float safe_level(float ref, double z, int64_t n_indexed, double sigma, double eps_budget, double rounding) {
+  const double level = double(ref) + std::log(eps_budget * z / ((1.0 + rounding) * double(n_indexed))) / sigma;
+  float down = static_cast<float>(level);
+  if (double(down) > level) down = std::nextafter(down, -INFINITY);
+  return (n_indexed > 0 && std::isfinite(level)) ? down : -INFINITY;
+}
+
+// The provisional levels of the one-pass certified rules into p.t: per (request, head) the safe
+// level at z_level (Z_lb, where the check always passes, or the a-posteriori estimate Z_est).
 void provisional_levels(StepPlan& p, const double* z_level, double sigma, double eps_budget, double rounding) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const float* ref = p.ref.data_ptr<float>();
   const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
   float* t = p.t.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = b * H + h;
-      const double level =
-          double(ref[i]) + std::log(eps_budget * z_level[i] / ((1.0 + rounding) * double(n_idx[b]))) / sigma;
-      float down = static_cast<float>(level);
-      if (double(down) > level) down = std::nextafter(down, -INFINITY);
-      t[i] = (n_idx[b] > 0 && std::isfinite(level)) ? down : -INFINITY;
-    }
+    for (int64_t h = 0; h < H; ++h) t[b * H + h] = safe_level(ref[b * H + h], z_level[b * H + h], n_idx[b], sigma,
+                                                              eps_budget, rounding);
 }
 
 // The one-pass check (threshold.provisional_certified): a head is certified at its provisional T
-// when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z, with Z = Z_lb,
-// or with ``attended`` (the a-posteriori check) Z_att = max(Z_lb, Z_dense + the exact mass of the
-// attend pass's union candidates, masses[..., 2]); that product is its certificate. Returns per
-// request whether some head failed (NaN fails).
-std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding, bool attended) {
+// when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z_lb; that
+// product is its certificate. Returns per request whether some head failed (NaN fails).
+std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double* masses = p.masses.data_ptr<double>();
   const double* z_lb = p.z_lb.data_ptr<double>();
-  const double* z = p.z.data_ptr<double>();
   double* cert = p.certificate.data_ptr<double>();
   std::vector<char> failed(B, 0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
-      const double z_check = attended ? std::max(z_lb[i], z[2 * i] + masses[3 * i + 2]) : z_lb[i];
       cert[i] = masses[3 * i] * (1.0 + rounding);
-      if (!(cert[i] <= eps_budget * z_check)) failed[b] = 1;
+      if (!(cert[i] <= eps_budget * z_lb[i])) failed[b] = 1;
     }
   return failed;
+}
+
+// The check of the one-pass rule a posteriori: a head whose dropped-mass bound at its provisional
+// level times (1 + rounding) fits eps_budget·Z_att (Z_att = max(Z_lb, Z_dense + the exact mass of
+// the attend pass's union candidates, masses[..., 2]) is certified there with that product; a head
+// where it does not (or is NaN) is lowered to the safe level at Z_att, where every dropped unit's
+// bound is below T, so the mass dropped is below n·e^{σ(T − ref)} ≤ eps_budget·Z_att: its
+// certificate (0 where T = −inf). Z_att ≥ Z_lb, so that level is at or above the safe level at
+// Z_lb, the first pass's reserve level. Returns per request whether some head was lowered.
+std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding) {
+  const int64_t B = p.q32.size(0), H = p.q32.size(1);
+  const double *z = p.z.data_ptr<double>(), *z_lb = p.z_lb.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
+  const float* ref = p.ref.data_ptr<float>();
+  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
+  float* t = p.t.data_ptr<float>();
+  double* cert = p.certificate.data_ptr<double>();
+  std::vector<uint8_t> band(B, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t i = b * H + h;
+      const double z_att = std::max(z_lb[i], z[2 * i] + masses[3 * i + 2]);
+      cert[i] = masses[3 * i] * (1.0 + rounding);
+      if (cert[i] <= eps_budget * z_att) continue;  // certified at the provisional level
+      t[i] = safe_level(ref[i], z_att, n_idx[b], sigma, eps_budget, rounding);
+      cert[i] = t[i] == -INFINITY ? 0.0 : eps_budget * z_att;
+      band[b] = 1;
+    }
+  return band;
 }
 
 // Rows b of t / certificate not in ``failed`` put back from the kept copies ([B, H_q] each).
@@ -444,13 +470,20 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
-    if (a_posteriori && !one_pass && p.page_ids.numel() > 0) {  // no indexed page: the histogram path
+    if (a_posteriori && p.page_ids.numel() > 0) {  // no indexed page: the histogram or one-pass path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
       torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
       estimated_z(p, estimate_share, z_est.data_ptr<double>());
-      c.z_lb = z_est;
-      run_certified_pass(c);
-      const std::vector<float> reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
+      std::vector<float> reserve_levels;
+      if (one_pass) {  // T0: the safe level at Z_est; the lowest a head can be lowered to: the one at Z_lb
+        provisional_levels(p, z_lb, sigma, eps_budget, rounding);
+        reserve_levels.assign(p.t.data_ptr<float>(), p.t.data_ptr<float>() + B * H);
+        provisional_levels(p, z_est.data_ptr<double>(), sigma, eps_budget, rounding);
+      } else {
+        c.z_lb = z_est;
+        run_certified_pass(c);
+        reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
+      }
       AttendArgs first = a;  // at T0, keeping in the reserve what the band may need
       first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
       first.page_mag = p.band_mag.data_ptr<float>();
@@ -460,7 +493,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
       const torch::Tensor t0 = p.t.clone();
-      const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
+      const std::vector<uint8_t> band = one_pass ? lower_to_safe(p, sigma, eps_budget, rounding)
+                                                 : lower_uncertified(p, sigma, eps_budget, rounding, edges);
       if (std::find(band.begin(), band.end(), 1) != band.end()) {
         AttendArgs ab = first;  // the band: the reserve's keys at the lowered levels
         ab.t_reserve = nullptr, ab.page_bound_out = nullptr, ab.band = true, ab.band_req = band.data();
@@ -521,15 +555,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       run_certified_pass(c);
       return run(kAttendMerge);
     }
-    std::vector<double> z_est;  // the a-posteriori one-pass rule's level divides by its estimate of Z
-    if (a_posteriori) {
-      z_est.resize(B * H);
-      estimated_z(p, estimate_share, z_est.data());
-    }
-    provisional_levels(p, a_posteriori ? z_est.data() : z_lb, sigma, eps_budget, rounding);
+    provisional_levels(p, z_lb, sigma, eps_budget, rounding);
     run(kAttendMerge);
     chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding, a_posteriori);
+    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding);
     totals_summed = std::find(failed.begin(), failed.end(), 1) == failed.end();
     if (totals_summed) return;
     // the rare path: the certified pass (every request), then the passing requests' provisional

@@ -148,8 +148,16 @@ def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverCo
     fails take the histogram rule (``certified_filter``) instead. The token bounds of every page
     are an input here because the failing requests need them; the compiled step computes them
     a second time only for those."""
+    eps_budget = config.eps * th.BUDGET_SAFETY
     provisional = provisional_filter(pb, tok, page_req, ref, z_lb, sigma, config)
-    return settle_one_pass(provisional, pb, tok, page_req, ref, z_lb, z_lb, sigma, config)[0]
+    ok, certificate = th.provisional_certified(provisional.dropped, z_lb, eps_budget, th.HIST_ROUNDING)
+    failed = ~ok.all(dim=1)
+    if not bool(failed.any()):
+        provisional.dropped = certificate
+        return provisional
+    t_c, cert_c, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, eps_budget, th.HIST_ROUNDING)
+    t = torch.where(failed[:, None], t_c, provisional.threshold)
+    return _refilter(t, pb, tok, page_req, ref, sigma, torch.where(failed[:, None], cert_c, certificate))
 
 
 def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: LouverConfig) -> FilterResult:
@@ -164,25 +172,27 @@ def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: Lo
     return _apply(t_p, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)))
 
 
-def settle_one_pass(provisional: FilterResult, pb, tok, page_req, ref, z_check, z_lb, sigma: float,
-                    config: LouverConfig) -> tuple[FilterResult, torch.Tensor]:
-    """The one-pass check of ``provisional`` against ``z_check`` ``[B, H_q]`` fp64 (Z_lb, or the
-    a-posteriori rule's Z_att): (FilterResult with certificates as its dropped mass, failed
-    ``[B]`` bool). A request with a failing head takes the histogram rule at Z_lb."""
-    eps_budget = config.eps * th.BUDGET_SAFETY
-    ok, certificate = th.provisional_certified(provisional.dropped, z_check, eps_budget, th.HIST_ROUNDING)
-    failed = ~ok.all(dim=1)
-    if not bool(failed.any()):
+def one_pass_a_posteriori_check(provisional: FilterResult, pb, tok, page_req, ref, z_att, sigma: float,
+                                config: LouverConfig) -> tuple[FilterResult, torch.Tensor]:
+    """The check of the one-pass rule a posteriori against Z_att ``[B, H_q]`` fp64
+    (``threshold.lowered_to_safe``): (FilterResult at the final T with the certificates as its
+    dropped mass, lowered ``[B, H_q]`` bool)."""
+    batch, size = ref.shape[0], tok.shape[1]
+    num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
+    t, certificate, lowered = th.lowered_to_safe(provisional.threshold, provisional.dropped, z_att, ref, num_indexed,
+                                                 sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
+    if not bool(lowered.any()):
         provisional.dropped = certificate
-        return provisional, failed
-    t_c, cert_c, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, eps_budget, th.HIST_ROUNDING)
-    t = torch.where(failed[:, None], t_c, provisional.threshold)
+        return provisional, lowered
+    return _refilter(t, pb, tok, page_req, ref, sigma, certificate), lowered
+
+
+def _refilter(t, pb, tok, page_req, ref, sigma: float, certificate) -> FilterResult:
+    """Every page row filtered at T ``[B, H_q]`` with ``certificate`` as the dropped mass."""
     tok_p = torch.minimum(tok, pb[:, None, :])
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)
-    filt = _apply(t, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)),
-                  torch.where(failed[:, None], cert_c, certificate))
-    return filt, failed
+    return _apply(t, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)), certificate)
 
 
 def _apply(t, pb, x_page, tok, x_tok, page_req, rows, certificate=None) -> FilterResult:

@@ -22,8 +22,8 @@ from . import threshold as th
 from .contract import (
     DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs,
 )
-from .filter import (FilterResult, a_posteriori_filter, a_posteriori_second, provisional_filter, run_filter,
-                     settle_one_pass)
+from .filter import (FilterResult, a_posteriori_filter, a_posteriori_second, one_pass_a_posteriori_check,
+                     provisional_filter, run_filter)
 from .plan import plan_decode
 from .segments import exact_scores, part_slack, seg_amax, seg_sum
 
@@ -152,11 +152,11 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
 
 
 def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
-    """The one-pass rule a posteriori (``filter.provisional_filter`` at Z_est, ``settle_one_pass``
-    against Z_att): the candidates at the provisional level are scored, their exact mass with the
-    dense part's is Z_att (every candidate's, as the compiled step sums it before its fallback
-    decision), and requests whose check fails are filtered and scored again by the histogram
-    rule. Returns (FilterResult, candidates, union, fallback)."""
+    """The one-pass rule a posteriori (``filter.provisional_filter`` at Z_est,
+    ``one_pass_a_posteriori_check`` against Z_att): the candidates at the provisional level are
+    scored, their exact mass with the dense part's is Z_att (every candidate's, as the compiled
+    step sums it before its fallback decision), and where a head was lowered the candidates are
+    filtered and scored again at the final T. Returns (FilterResult, candidates, union, fallback)."""
     batch, heads = ex.ref.shape
     h_kv = k_cache.shape[1]
     pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
@@ -165,9 +165,9 @@ def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: Ex
     provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
     z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
-    filt, failed = settle_one_pass(provisional, pb, tok, plan.page_req, ex.ref, z_att, ex.z_lb, sigma, config)
+    filt, lowered = one_pass_a_posteriori_check(provisional, pb, tok, plan.page_req, ex.ref, z_att, sigma, config)
     union, fallback = _fallback_mask(filt, plan, h_kv, config)
-    if bool(failed.any()) or bool(fallback.any()):
+    if bool(lowered.any()) or bool(fallback.any()):
         cand = _candidates(q32, k_cache, filt, plan, fallback)
     return filt, cand, union, fallback
 

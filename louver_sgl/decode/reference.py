@@ -9,7 +9,7 @@ One request and one query head at a time, with every rule written out directly:
      ``certified_passes=1`` the provisional level where every head's dropped mass fits there;
      with ``certified_rule="a_posteriori"`` the level that fits an estimate of Z, lowered where
      its mass does not fit the exact mass Z_att of what the step attends there; with both, the
-     provisional level at the estimate, checked against Z_att, else the histogram rule).
+     safe level at the estimate, lowered to the safe level at Z_att where its mass does not fit).
   4. Candidates of head h: indexed keys with page bound ≥ T_h and token bound ≥ T_h; the attended
      set of every head of a GQA group is the union of the group's candidates, minus (value gate)
      candidates whose exact score is below the head's T (budget and fixed policies only).
@@ -128,40 +128,45 @@ def _threshold_and_keep(pb, tb, s_idx, ref, z_lb, sigma, cfg: LouverConfig):
     return t, keep, dropped
 
 
-def _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig, z_level=None, z_check=None):
-    """The one-pass certified rule: T = the provisional level of every head (the safe level at
-    ``z_level``, Z_lb unless given), kept if every head's dropped mass (times 1 + rounding: the
-    certificate) fits eps·``z_check`` (Z_lb unless given: a function of the candidate mask
-    ``[H_q, n_idx]``); None if one does not (the request then takes the histogram rule)."""
-    size = cfg.page_size
+def _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg: LouverConfig):
+    """The one-pass certified rule: T = the provisional level of every head, kept if every head's
+    dropped mass (times 1 + rounding: the certificate) fits eps·Z_lb; None if one does not (the
+    request then takes the histogram rule)."""
     eps_budget = cfg.eps * th.BUDGET_SAFETY
-    level = z_lb if z_level is None else z_level
-    t = th.safe_level(ref[None], level[None], torch.tensor([u.shape[1]]), sigma, eps_budget, th.HIST_ROUNDING)[0]
-    keep_page = ~(pb < t[:, None])
-    keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
-    dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
-    z = z_lb if z_check is None else z_check(keep)
-    ok, certificate = th.provisional_certified(dropped, z, eps_budget, th.HIST_ROUNDING)
+    t = th.safe_level(ref[None], z_lb[None], torch.tensor([u.shape[1]]), sigma, eps_budget, th.HIST_ROUNDING)[0]
+    keep, dropped = _gate(pb, u, x_page, x_tok, t, cfg.page_size)
+    ok, certificate = th.provisional_certified(dropped, z_lb, eps_budget, th.HIST_ROUNDING)
     return (t, keep, certificate) if bool(ok.all()) else None
 
 
+def _gate(pb, u, x_page, x_tok, t, size: int):
+    """One request's candidate mask ``[H_q, n_idx]`` at T ``[H_q]`` (page bound and token bound
+    reach T) and the dropped mass ``[H_q]`` fp64 (pages below T whole, other tokens below T)."""
+    keep_page = ~(pb < t[:, None])
+    keep = keep_page.repeat_interleave(size, dim=1) & ~(u < t[:, None])
+    dropped = _mass(x_page, ~keep_page) * size + _mass(x_tok, keep_page.repeat_interleave(size, 1) & ~keep)
+    return keep, dropped
+
+
 def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: LouverConfig, groups):
-    """The one-pass rule a posteriori: the provisional level is the safe level at Z_est (the
-    a-posteriori rule's estimate of Z) and the check divides by Z_att = max(Z_lb, Z_dense + the
-    exact mass of the GQA union of candidates there); a request with a failing head takes the
-    histogram rule. Returns T, the candidate mask ``[H_q, n_idx]`` and the certificate."""
+    """The one-pass rule a posteriori: gate at the safe level at Z_est (the a-posteriori rule's
+    estimate of Z); Z_att = max(Z_lb, Z_dense + the exact mass of the GQA union of candidates
+    there); a head whose dropped mass does not fit eps·Z_att is lowered to the safe level at Z_att
+    (``threshold.lowered_to_safe``). Returns T, the candidate mask ``[H_q, n_idx]`` and the
+    certificate."""
     size, n_idx = cfg.page_size, tb.shape[1]
+    eps_budget = cfg.eps * th.BUDGET_SAFETY
     u = torch.minimum(tb, pb.repeat_interleave(size, dim=1))
     x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
-    z_est = th.estimated_z(z_dense[None], (z_lb - z_dense)[None], torch.tensor([n_idx]), torch.tensor([n_sample]),
-                           cfg.estimate_share)[0]
-
-    def z_att(keep):
-        union = keep.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
-        return torch.maximum(z_lb, z_dense + _mass(x_idx, union))
-
-    one_pass = _one_pass(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg, z_level=z_est, z_check=z_att)
-    return one_pass if one_pass is not None else _certified(pb, u, x_page, x_tok, ref, z_lb, sigma, cfg)
+    n = torch.tensor([n_idx])
+    z_est = th.estimated_z(z_dense[None], (z_lb - z_dense)[None], n, torch.tensor([n_sample]), cfg.estimate_share)[0]
+    t0 = th.safe_level(ref[None], z_est[None], n, sigma, eps_budget, th.HIST_ROUNDING)[0]
+    keep0, dropped0 = _gate(pb, u, x_page, x_tok, t0, size)
+    union0 = keep0.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
+    z_att = torch.maximum(z_lb, z_dense + _mass(x_idx, union0))
+    t, certificate, _ = th.lowered_to_safe(t0[None], dropped0[None], z_att[None], ref[None], n, sigma, eps_budget,
+                                           th.HIST_ROUNDING)
+    return t[0], _gate(pb, u, x_page, x_tok, t[0], size)[0], certificate[0]
 
 
 def _budget(s_idx, cfg: LouverConfig):

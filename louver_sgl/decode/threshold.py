@@ -117,6 +117,23 @@ def provisional_certified(dropped: torch.Tensor, z_lb: torch.Tensor, eps_budget:
     return certificate <= eps_budget * z_lb, certificate
 
 
+def lowered_to_safe(t0: torch.Tensor, dropped: torch.Tensor, z_att: torch.Tensor, ref: torch.Tensor,
+                    num_indexed: torch.Tensor, sigma: float, eps_budget: float, rounding: float):
+    """The check of the one-pass rule a posteriori (design notes, "Certified a posteriori in one
+    pass"): a head whose gate at its provisional level t0 dropped a bound ``dropped`` that, times
+    1 + rounding, fits eps_budget·Z_att keeps t0 with that product as its certificate; the others
+    are lowered to the safe level at Z_att, where the mass dropped is below eps_budget·Z_att: their
+    certificate (0 where that level is −inf). Returns (T ``[B, H]`` fp32, certificate ``[B, H]``
+    fp64, lowered ``[B, H]`` bool).
+
+    t0, ref ``[B, H]`` fp32; dropped, z_att ``[B, H]`` fp64; num_indexed ``[B]`` int.
+    """
+    ok, certificate = provisional_certified(dropped, z_att, eps_budget, rounding)
+    t1 = safe_level(ref, z_att, num_indexed, sigma, eps_budget, rounding)
+    lowered_cert = torch.where(t1 == -math.inf, 0.0, eps_budget * z_att)
+    return torch.where(ok, t0, t1), torch.where(ok, certificate, lowered_cert), ~ok
+
+
 def certified_choice(pb: torch.Tensor, tok: torch.Tensor, page_req: torch.Tensor, ref: torch.Tensor,
                      z_lb: torch.Tensor, sigma: float, eps_budget: float, rounding: float,
                      edges: ThresholdEdges = EDGES):
