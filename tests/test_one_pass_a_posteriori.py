@@ -44,7 +44,7 @@ def _step(impl, config, q, k, v, table, lens, store, attended=False):
     return decode.run(q, k, v, store, SIGMA, stats=True, attended=attended)
 
 
-def _adversarial(k, q, table, lens, config, b=0):
+def _adversarial(k, q, table, lens, config, b=0, kv_heads=slice(None)):
     """Request b's keys rewritten so that the estimate overshoots Z: its sampled indexed keys score
     40 (the reference score), every other key 0. Z_est ~ 4·n while Z ~ 32 (the sample), so the
     safe level at Z_est (~14) drops every unsampled indexed key, whose mass (n·e^{−40σ} ~ 10) is
@@ -60,7 +60,7 @@ def _adversarial(k, q, table, lens, config, b=0):
     _, indexed, _ = split_pages(n, config)
     idx = torch.arange(indexed.start * config.page_size, indexed.stop * config.page_size)
     sampled = idx[_sample_positions(len(idx), config.sample_size)]
-    k[slots[sampled], :, 0] = 10.0  # score 40
+    k[slots[sampled], kv_heads, 0] = 10.0  # score 40 (for the query heads of ``kv_heads``)
     return k, q
 
 
@@ -89,21 +89,23 @@ def test_the_estimate_keeps_fewer_keys_than_the_safe_level_at_z_lb():
 
 
 def test_compiled_step_takes_the_reference_level():
-    """The compiled step's T is the reference's provisional level at Z_est (its exact part's masses
-    match to rounding), it certifies below eps in the one pass, and it attends its int8 bounds'
-    set at that T with the counters of that set."""
+    """The compiled step's T is the reference's in most heads (the provisional level at Z_est, or
+    the safe level at Z_att where the check failed); a head can differ where the two checks
+    disagree, since each sums its own bounds (int8 against fp32: a looser dropped mass, and a
+    larger candidate union in Z_att). It certifies below eps and attends its int8 bounds' set at
+    its T, with the counters of that set."""
     needs_impl("cpu")
-    # share 1: on these random keys the compiled int8 token bounds (looser than the reference's
-    # fp32 ones) pass the check in every head at share 1, not at 3 (each implementation checks
-    # its own bounds' dropped mass; a failing head is lowered, tested below)
-    config, q, k, v, table, lens = _case(CONFIG.with_(estimate_share=1.0), seed=4)
+    config, q, k, v, table, lens = _case(seed=4)
     store = _store(config, k)
     _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
     step = _step("cpu", config, q, k, v, table, lens, store, attended=True)
-    for b in range(len(LENS)):
-        # the compiled Z_dense and Z_sample are fp32-exp lower bounds (kMassDown): T moves by
-        # ln(that factor)/σ, while a wrong term of the level (n, M, the share) moves it by ln(2)/σ
-        torch.testing.assert_close(step.stats.threshold[b], info[b]["threshold"], rtol=0, atol=1e-3)
+    ref_t = torch.stack([i["threshold"] for i in info])
+    # the compiled Z_dense and Z_sample are fp32-exp lower bounds (kMassDown) with the scores
+    # lowered by a magnitude slack where the reference lowers them by a norm slack: T moves by a
+    # few 1e-3 (ln of their ratio over σ), while a wrong term of the level (n, M, the share) moves
+    # it by ln(2)/σ = 5.5 or more
+    same = (step.stats.threshold - ref_t).abs() <= 2e-2
+    assert int(same.sum()) >= 2 * same.numel() // 3, f"{int(same.sum())} of {same.numel()} heads at the reference's T"
     assert bool((step.stats.mass_bound < config.eps).all())
     spec = compiled_attended(q, k, table, lens, store, step.stats.threshold)
     for b, mask in enumerate(step.attended):
@@ -124,7 +126,7 @@ def test_a_failed_check_lowers_the_head_to_the_safe_level_at_z_att(impl):
     store = _store(config, k)
     step = _step(impl, config, q, k, v, table, lens, store, attended=True)
     _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
-    torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=1e-3)
+    torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=2e-2)
     assert bool((step.stats.threshold[0] < -20.0).all())
     if impl == "torch":
         assert torch.equal(step.attended[0], info[0]["attended"])
@@ -141,28 +143,29 @@ def test_a_failed_check_lowers_the_head_to_the_safe_level_at_z_att(impl):
     assert bool((step.stats.mass_bound < config.eps).all())
 
 
-@pytest.mark.parametrize("share", [1.0, 3.0])
-def test_compiled_lowered_heads_keep_the_contract(share):
-    """At share 3 the compiled check fails in most requests of these random keys (its int8
-    bounds): lowered heads beside passing ones, recall 1.0, dropped mass below its bound and eps,
-    the attended set its bounds' set at its own T, counters of that set."""
-    needs_impl("cpu")
-    lowered = 0  # heads below the reference's level (the reference's fp32 bounds passed there)
-    for seed in (0, 4):
-        config, q, k, v, table, lens = _case(CONFIG.with_(estimate_share=share), seed=seed)
-        store = _store(config, k)
-        step = _step("cpu", config, q, k, v, table, lens, store, attended=True)
-        _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
-        lowered += int((step.stats.threshold < torch.stack([i["threshold"] for i in info]) - 0.01).sum())
-        spec = compiled_attended(q, k, table, lens, store, step.stats.threshold)
-        for b in range(len(LENS)):
-            assert torch.equal(step.attended[b], spec[b])
-            counted = step.attended[b].sum(1) - (int(lens[b]) - int(step.stats.num_indexed[b]))
-            assert torch.equal(counted, step.stats.candidates[b])
-            scores, _ = fp64_request(q, k, v, table, lens, b, 16)
-            dropped = (torch.softmax(SIGMA * scores, dim=1) * ~step.attended[b]).sum(1)
-            assert bool((dropped <= step.stats.mass_bound[b].double() * (1 + 1e-6)).all())
-            assert not bool(((scores >= step.stats.threshold[b, :, None].double()) & ~step.attended[b]).any())
-        assert bool((step.stats.mass_bound < config.eps).all())
-    if share == 3.0:
-        assert lowered > 0, "no head was lowered: the test lost its point"
+@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in implementations_here("cpu")])
+def test_lowered_heads_beside_passing_ones(impl):
+    """``_adversarial`` on KV head 0 only: request 0's first group fails its check and is lowered,
+    its second group keeps the provisional level (its keys all score 0: every key kept), as in the
+    reference; the contract holds for every request (recall 1.0, dropped mass below its bound and
+    eps against an fp64 brute force, the compiled step's attended set its bounds' set at its T and
+    its counters those of that set)."""
+    config, q, k, v, table, lens = _case(seed=3)
+    k, q = _adversarial(k, q, table, lens, config, kv_heads=0)
+    store = _store(config, k)
+    step = _step(impl, config, q, k, v, table, lens, store, attended=True)
+    _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
+    # request 0's checks pass or fail by far (random requests can sit at the budget, where the
+    # compiled and fp32 bounds' checks may disagree: test_compiled_step_takes_the_reference_level)
+    torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=2e-2)
+    assert bool((step.stats.threshold[0, :3] < -20.0).all())  # lowered from ~14
+    spec = compiled_attended(q, k, table, lens, store, step.stats.threshold) if impl == "cpu" else None
+    for b in range(len(LENS)):
+        assert torch.equal(step.attended[b], spec[b] if spec is not None else info[b]["attended"])
+        counted = step.attended[b].sum(1) - (int(lens[b]) - int(step.stats.num_indexed[b]))
+        assert torch.equal(counted, step.stats.candidates[b])
+        scores, _ = fp64_request(q, k, v, table, lens, b, 16)
+        dropped = (torch.softmax(SIGMA * scores, dim=1) * ~step.attended[b]).sum(1)
+        assert bool((dropped <= step.stats.mass_bound[b].double() * (1 + 1e-6)).all())
+        assert not bool(((scores >= step.stats.threshold[b, :, None].double()) & ~step.attended[b]).any())
+    assert bool((step.stats.mass_bound < config.eps).all())

@@ -56,6 +56,10 @@ struct AttendArgs {
   // residual int8 weights (quantize_weights_residual): a second integer dot per token for a bound
   // ~250 times tighter in its int8 slack; applied where 2·G <= 8 (the dot kernels' heads)
   bool residual = false;
+  // mass[0] sums each dropped token's own e^{σ(u − ref)} (fp32 exps, kMassUp) instead of a page's
+  // count times its largest dropped bound's: one exp per block instead of one per page, for a
+  // bound up to ~8x tighter (the one-pass rule a posteriori certifies with it)
+  bool tight_dropped = false;
 };
 
 // Accounting per head, relative to exp(σ·(s − ref)) in fp64: mass[0] index-dropped keys (skipped
@@ -210,7 +214,8 @@ struct ChunkRunner {
 
   // Token bounds of the open page's tokens p .. p+15 (int8 weights against byte codes, VNNI), then
   // the candidate gate. Dropped tokens are accounted per head by count and largest bound:
-  // n·e^{σ(max u − ref)} bounds their mass with one exp per page.
+  // n·e^{σ(max u − ref)} bounds their mass with one exp per page (with tight_dropped: each by its
+  // own bound).
   void scan_block16(int64_t first, int64_t p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const int64_t G = a.groups;
@@ -227,7 +232,10 @@ struct ChunkRunner {
       }
       if (!keep_page[g]) continue;
       const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
-      if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
+      if (drop && a.tight_dropped) {
+        const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(ub, _mm512_set1_ps(a.ref[head0 + g])));
+        st[g].mass[0] += double(exp_sum_high16(x, drop)) * kMassUp;
+      } else if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
         const __m512 seen = _mm512_loadu_ps(drop_lanes.data() + 16 * g);
         _mm512_storeu_ps(drop_lanes.data() + 16 * g, _mm512_mask_max_ps(seen, drop, seen, ub));
@@ -257,7 +265,10 @@ struct ChunkRunner {
         if (!keep_page[g]) continue;
         const __m256 below = _mm256_cmp_ps(ub, t, _CMP_LT_OQ);  // NaN keeps
         const uint32_t drop = static_cast<uint32_t>(_mm256_movemask_ps(below));
-        if (drop) {  // the largest dropped bound per lane, as the 16-lane version
+        if (drop && a.tight_dropped) {
+          const __m256 x = _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_sub_ps(ub, _mm256_set1_ps(a.ref[head0 + g])));
+          st[g].mass[0] += double(exp_sum_high8(x, drop)) * kMassUp;
+        } else if (drop) {  // the largest dropped bound per lane, as the 16-lane version
           drop_count[g] += __builtin_popcount(drop);
           float* lanes = drop_lanes.data() + 16 * g + 8 * h;
           const __m256 seen = _mm256_loadu_ps(lanes);
@@ -298,8 +309,12 @@ struct ChunkRunner {
         }
         if (!keep_page[g]) continue;
         if (ub < a.t[head0 + g]) {
-          ++drop_count[g];
-          drop_max[g] = std::max(drop_max[g], ub);
+          if (a.tight_dropped) {
+            st[g].mass[0] += rel_mass(a.sigma, ub, a.ref[head0 + g]);
+          } else {
+            ++drop_count[g];
+            drop_max[g] = std::max(drop_max[g], ub);
+          }
         } else {
           cand = true;  // NaN keeps
         }

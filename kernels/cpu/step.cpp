@@ -485,6 +485,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
         reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
       }
       AttendArgs first = a;  // at T0, keeping in the reserve what the band may need
+      first.tight_dropped = one_pass;  // the one-pass check sums the first pass's dropped mass
       first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
       first.page_mag = p.band_mag.data_ptr<float>();
       first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
