@@ -169,8 +169,7 @@ std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rou
 // the attend pass's union candidates, masses[..., 2]) is certified there with that product; a head
 // where it does not (or is NaN) is lowered to the safe level at Z_att, where every dropped unit's
 // bound is below T, so the mass dropped is below n·e^{σ(T − ref)} ≤ eps_budget·Z_att: its
-// certificate (0 where T = −inf). Z_att ≥ Z_lb, so that level is at or above the safe level at
-// Z_lb, the first pass's reserve level. Returns per request whether some head was lowered.
+// certificate (0 where T = −inf). Returns per request whether some head was lowered.
 std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double *z = p.z.data_ptr<double>(), *z_lb = p.z_lb.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
@@ -470,22 +469,33 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.codes = codes, c.ref = p.ref, c.z_lb = p.z_lb, c.sigma = sigma, c.eps_budget = eps_budget;
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
-    if (a_posteriori && p.page_ids.numel() > 0) {  // no indexed page: the histogram or one-pass path
+    if (a_posteriori && one_pass && p.page_ids.numel() > 0) {  // the one-pass rule a posteriori
+      torch::Tensor z_est = p.z_lb.clone();
+      estimated_z(p, estimate_share, z_est.data_ptr<double>());
+      provisional_levels(p, z_est.data_ptr<double>(), sigma, eps_budget, rounding);
+      AttendArgs first = a;
+      first.tight_dropped = true;  // the check needs each dropped token's own bound mass
+      if (attended.has_value()) attended->zero_();
+      run_with(first, kAttend);
+      chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
+      const std::vector<uint8_t> lowered = lower_to_safe(p, sigma, eps_budget, rounding);
+      if (std::find(lowered.begin(), lowered.end(), 1) != lowered.end()) {
+        // requests with a lowered head attend again at their final levels (a superset of the
+        // first pass's set: its chunk states are replaced, the other requests' kept)
+        AttendArgs again = a;
+        again.only_req = lowered.data();
+        run_with(again, kAttend);
+      }
+      return run_with(a, kMerge);
+    }
+    if (a_posteriori && !one_pass && p.page_ids.numel() > 0) {  // no indexed page: the histogram path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
       torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
       estimated_z(p, estimate_share, z_est.data_ptr<double>());
-      std::vector<float> reserve_levels;
-      if (one_pass) {  // T0: the safe level at Z_est; the lowest a head can be lowered to: the one at Z_lb
-        provisional_levels(p, z_lb, sigma, eps_budget, rounding);
-        reserve_levels.assign(p.t.data_ptr<float>(), p.t.data_ptr<float>() + B * H);
-        provisional_levels(p, z_est.data_ptr<double>(), sigma, eps_budget, rounding);
-      } else {
-        c.z_lb = z_est;
-        run_certified_pass(c);
-        reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
-      }
+      c.z_lb = z_est;
+      run_certified_pass(c);
+      const std::vector<float> reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
       AttendArgs first = a;  // at T0, keeping in the reserve what the band may need
-      first.tight_dropped = one_pass;  // the one-pass check sums the first pass's dropped mass
       first.t_reserve = reserve_levels.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
       first.page_mag = p.band_mag.data_ptr<float>();
       first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
@@ -494,8 +504,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
       const torch::Tensor t0 = p.t.clone();
-      const std::vector<uint8_t> band = one_pass ? lower_to_safe(p, sigma, eps_budget, rounding)
-                                                 : lower_uncertified(p, sigma, eps_budget, rounding, edges);
+      const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
       if (std::find(band.begin(), band.end(), 1) != band.end()) {
         AttendArgs ab = first;  // the band: the reserve's keys at the lowered levels
         ab.t_reserve = nullptr, ab.page_bound_out = nullptr, ab.band = true, ab.band_req = band.data();

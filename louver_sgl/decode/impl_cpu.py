@@ -183,7 +183,7 @@ class CpuDecode(DecodeImplementation):
 
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
-                self.config.sample_size, self.config.threshold.a_posteriori or self._one_scan)
+                self.config.sample_size, self.config.threshold.band_pass or self._one_scan)
 
     def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
         """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
@@ -191,7 +191,7 @@ class CpuDecode(DecodeImplementation):
 
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
-            reserve = self.config.threshold.a_posteriori or self._one_scan
+            reserve = self.config.threshold.band_pass or self._one_scan
             band = (len(plan.page_ids), plan.page_size) if reserve else None
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
                             self.config.sample_size, band=band)
