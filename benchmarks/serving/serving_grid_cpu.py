@@ -37,7 +37,12 @@ CONFIGS = {
     "certified-1e-3": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3"}),
     "certified-1e-3-a-posteriori": ("louver", "certified-1e-3-a-posteriori",
                                     {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
-                                     "LOUVER_CERTIFIED_RULE": "a_posteriori"}),
+                                     "LOUVER_CERTIFIED_RULE": "a_posteriori", "LOUVER_CERTIFIED_PASSES": "2"}),
+    # the one-pass rule a posteriori (design notes, "Certified a posteriori in one pass")
+    "certified-1e-3-one-pass-a-posteriori": ("louver", "certified-1e-3-one-pass-a-posteriori",
+                                             {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
+                                              "LOUVER_CERTIFIED_RULE": "a_posteriori",
+                                              "LOUVER_CERTIFIED_PASSES": "1"}),
     # the certified histogram rule with two scans of the codes (the compiled step before its one-scan pass)
     "certified-1e-3-two-scans": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                                               "LOUVER_ONE_SCAN": "0"}),
