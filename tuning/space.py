@@ -30,8 +30,9 @@ CONDITIONS = {
 def config_space(max_context: int) -> dict[str, BaseDistribution]:
     """Distributions of the tuned ``LouverConfig`` fields (never the accuracy knobs).
 
-    ``certified_passes`` is how a certified step finds its T, not how much mass it may drop: both
-    rules certify ε (the one-pass rule attends more keys, and on some CPUs is the faster one)."""
+    ``certified_passes`` and ``certified_rule`` are how a certified step finds its T, not how much
+    mass it may drop: every rule certifies ε (the one-pass rules read the codes once and attend more
+    keys; the a-posteriori rules divide by the mass attended and attend fewer)."""
     min_sparse = [0] + [n for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if n <= max_context // 2]
     return {
         "page_size": CategoricalDistribution([32, 64, 128]),
@@ -46,6 +47,7 @@ def config_space(max_context: int) -> dict[str, BaseDistribution]:
         "dense_fallback_fraction": FloatDistribution(0.2, 1.0, step=0.1),
         "min_sparse_tokens": CategoricalDistribution(min_sparse),
         "certified_passes": CategoricalDistribution([2, 1]),
+        "certified_rule": CategoricalDistribution(["histogram", "a_posteriori"]),
     }
 
 
@@ -120,7 +122,8 @@ def build_space(launch_space: Mapping[str, BaseDistribution], max_context: int, 
     if preset == "small":
         base = LouverConfig()
         fixed = {name: [getattr(base, name)] for name in ("sink_pages", "recent_pages", "dense_fallback_fraction",
-                                                         "min_sparse_tokens", "certified_passes")}
+                                                         "min_sparse_tokens", "certified_passes",
+                                                         "certified_rule")}
         launch = {k: [v for v in (16, 64, 256) if v in d.choices] if k == "chunk_pages" else list(d.choices)
                   for k, d in launch_space.items() if isinstance(d, CategoricalDistribution)}
         launch.update({k: [v] for k, v in SMALL_FIXED_LAUNCH.items() if k in launch})
