@@ -1,6 +1,5 @@
 """The one-pass rule a posteriori (``certified_passes=1``, ``certified_rule="a_posteriori"``): the
-provisional level comes from the sample's exact scores (``threshold.sample_level``, at least the
-safe level at Z_lb), the check divides by Z_att, and a head
+provisional level is the safe level at the estimate Z_est, the check divides by Z_att, and a head
 whose check fails is lowered to the safe level at Z_att; the torch and compiled CPU steps follow
 the reference.
 
@@ -46,9 +45,9 @@ def _step(impl, config, q, k, v, table, lens, store, attended=False):
 
 
 def _adversarial(k, q, table, lens, config, b=0, kv_heads=slice(None)):
-    """Request b's keys rewritten so that the sample misleads the level: its sampled indexed keys
-    score 40 (the reference score), every other key 0. The sample sees no mass below 40, so its
-    level (~40) drops every unsampled indexed key, whose mass (n·e^{−40σ} ~ 10) is
+    """Request b's keys rewritten so that the estimate overshoots Z: its sampled indexed keys score
+    40 (the reference score), every other key 0. Z_est ~ 4·n while Z ~ 32 (the sample), so the
+    safe level at Z_est (~14) drops every unsampled indexed key, whose mass (n·e^{−40σ} ~ 10) is
     far above eps·Z_att (~0.3): the check fails."""
     k, q = k.clone(), q.clone()
     q[b] = 0.0
@@ -78,10 +77,9 @@ def test_torch_step_equals_the_reference(seed):
     assert bool((step.stats.mass_bound < config.eps).all())
 
 
-def test_the_sample_level_keeps_fewer_keys_than_the_safe_level_at_z_lb():
-    """T (the sample's level or, lowered, the safe level at Z_att ≥ Z_lb; both at least the safe
-    level at Z_lb) is at or above the one-pass rule's T (strictly above on these keys), so no head
-    keeps more candidates."""
+def test_the_estimate_keeps_fewer_keys_than_the_safe_level_at_z_lb():
+    """Where the check passes, T_p at Z_est ≥ Z_lb is at or above the one-pass rule's T_p at Z_lb
+    (strictly above on these keys), so no head keeps more candidates."""
     config, q, k, v, table, lens = _case()
     store = _store(config, k)
     est = _step("torch", config, q, k, v, table, lens, store).stats
@@ -91,7 +89,7 @@ def test_the_sample_level_keeps_fewer_keys_than_the_safe_level_at_z_lb():
 
 
 def test_compiled_step_takes_the_reference_level():
-    """The compiled step's T is the reference's in most heads (the sample's level, or
+    """The compiled step's T is the reference's in most heads (the provisional level at Z_est, or
     the safe level at Z_att where the check failed); a head can differ where the two checks
     disagree, since each sums its own bounds (int8 against fp32: a looser dropped mass, and a
     larger candidate union in Z_att). It certifies below eps and attends its int8 bounds' set at
@@ -118,8 +116,8 @@ def test_compiled_step_takes_the_reference_level():
 
 @pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in implementations_here("cpu")])
 def test_a_failed_check_lowers_the_head_to_the_safe_level_at_z_att(impl):
-    """Request 0's keys mislead the sample's level (``_adversarial``): every head's check fails
-    with finite terms, so each is lowered from the provisional level (~40) to the safe level at
+    """Request 0's keys make the estimate overshoot (``_adversarial``): every head's check fails
+    with finite terms, so each is lowered from the provisional level (~14) to the safe level at
     Z_att (~−27: every key kept), as in the reference; recall is 1.0 and the dropped mass below
     eps against an fp64 brute force; the compiled step attends its bounds' set at its own T; the
     other requests keep their levels."""
@@ -160,7 +158,7 @@ def test_lowered_heads_beside_passing_ones(impl):
     # request 0's checks pass or fail by far (random requests can sit at the budget, where the
     # compiled and fp32 bounds' checks may disagree: test_compiled_step_takes_the_reference_level)
     torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=2e-2)
-    assert bool((step.stats.threshold[0, :3] < -20.0).all())  # lowered from ~40
+    assert bool((step.stats.threshold[0, :3] < -20.0).all())  # lowered from ~14
     spec = compiled_attended(q, k, table, lens, store, step.stats.threshold) if impl == "cpu" else None
     for b in range(len(LENS)):
         assert torch.equal(step.attended[b], spec[b] if spec is not None else info[b]["attended"])

@@ -102,10 +102,7 @@ struct StepPlan {
 // whose check fails take that certified pass and a second attend pass; with a_posteriori the
 // certified pass picks the first level against the estimate of Z (estimate_share), and heads whose
 // certificate does not fit the exact mass of what the attend pass attended are lowered, their
-// band attended from the first pass's reserve into the plan's band buffers; with both one_pass and
-// a_posteriori the attend pass gates at the sample's level (sample_level_share, sample_levels),
-// checks against that exact mass, and requests with a head lowered to the safe level at it attend
-// again; with one_scan the
+// band attended from the first pass's reserve into the plan's band buffers; with one_scan the
 // histogram rule's pass also keeps every token reaching the safe level in the plan's reserve and
 // the attend pass reads that reserve at T instead of the codes, run_scan_pass; reserve_offset: its
 // level in edges from the safe level's, see CpuLaunch; residual_weights: the token bounds' residual
@@ -122,7 +119,7 @@ struct LayerStep {
                                                      std::optional<torch::Tensor> out,
                                                      std::optional<torch::Tensor> attended) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
-  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share, sample_level_share;
+  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share;
   bool value_gate, one_pass, a_posteriori, one_scan, residual_weights;
   int64_t bits, page_size, reserve_offset;
   louver_cpu::Edges edges;

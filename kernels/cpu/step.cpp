@@ -220,44 +220,6 @@ void estimated_z(StepPlan& p, double share, double* z_est) {
     }
 }
 
-// The provisional levels of the one-pass rule a posteriori into p.t (threshold.sample_level, at
-// least the safe level at Z_lb): per (request, head) the highest edge below which the sample's
-// exact masses, scaled to the indexed tokens, sum to at most level_share·eps_budget·max(Z_lb,
-// Z_dense + (n/M)·Z_sample). A level only: the check against Z_att certifies.
-void sample_levels(StepPlan& p, const double* z_lb, double sigma, double eps_budget, double rounding,
-                   double level_share, const Edges& edges) {
-  const int64_t B = p.q32.size(0), H = p.q32.size(1), M = p.sample.size(1);
-  const double* z = p.z.data_ptr<double>();
-  const float *ref = p.ref.data_ptr<float>(), *sp = p.sample.data_ptr<float>();
-  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
-  float* t = p.t.data_ptr<float>();
-  std::vector<int64_t> samples(B, 0);
-  const int64_t* sr = p.sample_req.data_ptr<int64_t>();
-  for (int64_t i = 0; i < p.sample_req.size(0); ++i) ++samples[sr[i]];
-  std::vector<double> hist(edges.width());
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = b * H + h;
-      t[i] = safe_level(ref[i], z_lb[i], n_idx[b], sigma, eps_budget, rounding);
-      if (samples[b] == 0 || !std::isfinite(ref[i])) continue;
-      const double scale = double(n_idx[b]) / double(samples[b]);
-      std::fill(hist.begin(), hist.end(), 0.0);
-      for (int64_t j = 0; j < M; ++j) {  // the padding (−inf) adds 0; NaN lies past the last edge
-        const double x = sigma * (double(sp[(b * M + j) * H + h]) - double(ref[i]));
-        if (!std::isnan(x)) hist[edges.bin(x)] += std::exp(std::min(x, 700.0)) * scale;
-      }
-      const double budget = level_share * eps_budget * std::max(z_lb[i], z[2 * i] + z[2 * i + 1] * scale);
-      double cum = 0.0;
-      int64_t edge = -1;
-      for (int64_t e = 0; e < edges.count; ++e) {
-        cum += hist[e];
-        if (!(cum <= budget)) break;
-        edge = e;
-      }
-      t[i] = std::max(t[i], edge_threshold(edge, ref[i], sigma, edges));
-    }
-}
-
 // fitting_edge for row i of the plan's histograms.
 int64_t fitting_edge(const StepPlan& p, int64_t i, double budget, double rounding, const Edges& edges, double* fit) {
   const int64_t W = p.hist.size(2);
@@ -432,7 +394,6 @@ LayerStep::LayerStep(Named& n)
       radius(n.tensor("radius")), codes(n.tensor("codes")), sigma(n.real("sigma")), budget(n.real("budget")),
       t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
       eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), estimate_share(n.real("estimate_share")),
-      sample_level_share(n.real("sample_level_share")),
       value_gate(n.flag("value_gate")), one_pass(n.flag("one_pass")), a_posteriori(n.flag("a_posteriori")),
       one_scan(n.flag("one_scan")), residual_weights(n.flag("residual_weights")),
       bits(n.integer("bits")), page_size(n.integer("page_size")), reserve_offset(n.integer("reserve_offset")),
@@ -509,19 +470,15 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
     if (a_posteriori && one_pass && p.page_ids.numel() > 0) {  // the one-pass rule a posteriori
-      sample_levels(p, z_lb, sigma, eps_budget, rounding, sample_level_share, edges);
+      torch::Tensor z_est = p.z_lb.clone();
+      estimated_z(p, estimate_share, z_est.data_ptr<double>());
+      provisional_levels(p, z_est.data_ptr<double>(), sigma, eps_budget, rounding);
       AttendArgs first = a;
       first.tight_dropped = true;  // the check needs each dropped token's own bound mass
       if (attended.has_value()) attended->zero_();
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-      const torch::Tensor t_probe = p.t.clone();
       const std::vector<uint8_t> lowered = lower_to_safe(p, sigma, eps_budget, rounding);
-      if (getenv("XPROBE_LOWERED")) {
-        int64_t nl = 0;
-        for (int64_t i = 0; i < B * H; ++i) nl += p.t.data_ptr<float>()[i] != t_probe.data_ptr<float>()[i];
-        fprintf(stderr, "XPROBE lowered %ld of %ld heads\n", (long)nl, (long)(B * H));
-      }
       if (std::find(lowered.begin(), lowered.end(), 1) != lowered.end()) {
         // requests with a lowered head attend again at their final levels (a superset of the
         // first pass's set: its chunk states are replaced, the other requests' kept)

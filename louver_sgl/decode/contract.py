@@ -111,11 +111,6 @@ BUDGET_SAFETY = 1.0 - 1e-7
 # Relative bound on the fp64 rounding of the certified histograms' sums (terms added in any order,
 # then a cumulative sum): 2·n·2^-53 with n < 2·10^7 terms per (request, head).
 HIST_ROUNDING = 1e-8
-# The one-pass rule a posteriori's provisional level (threshold.sample_level): the highest edge below
-# which the sample's exact masses, scaled to the indexed tokens, stay within this share of
-# eps·Z_est at share 1. A level only: what certifies is the check against Z_att, so this share
-# trades a second attend pass (a failed check) against keys attended.
-SAMPLE_LEVEL_SHARE = 0.25
 # Lowering of an fp64 sum of positive lower-bound terms for its rounding (n·2^-53 < 1e-9 for up to
 # 9·10^6 terms): Z_lb and Z_att take it, in every implementation.
 FP64_SUM_DOWN = 1.0 - 1e-9

@@ -160,16 +160,12 @@ def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverCo
     return _refilter(t, pb, tok, page_req, ref, sigma, torch.where(failed[:, None], cert_c, certificate))
 
 
-def provisional_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig,
-                       level: torch.Tensor | None = None) -> FilterResult:
-    """The one-pass rules' gate: T_p = the safe level at Z_lb ``[B, H_q]`` fp64, or ``level``
-    ``[B, H_q]`` fp32 where that is higher (the a-posteriori rule's sample level), with the gate's
-    own dropped-mass bound as ``dropped``."""
+def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: LouverConfig) -> FilterResult:
+    """The one-pass rule's gate: T_p = the safe level at ``z_level`` ``[B, H_q]`` fp64 (Z_lb, or
+    the a-posteriori estimate Z_est), with the gate's own dropped-mass bound as ``dropped``."""
     batch, size = ref.shape[0], tok.shape[1]
     num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
-    t_p = th.safe_level(ref, z_lb, num_indexed, sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
-    if level is not None:
-        t_p = torch.maximum(t_p, level)
+    t_p = th.safe_level(ref, z_level, num_indexed, sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
     tok_p = torch.minimum(tok, pb[:, None, :])
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)

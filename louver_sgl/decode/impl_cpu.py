@@ -249,7 +249,6 @@ def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, conf
         fallback_fraction=float(config.dense_fallback_fraction),
         eps_budget=policy.kernel_eps_budget(th.BUDGET_SAFETY), rounding=th.HIST_ROUNDING,
         one_pass=policy.one_pass, a_posteriori=policy.a_posteriori, estimate_share=policy.estimate_share,
-        sample_level_share=th.SAMPLE_LEVEL_SHARE,
         **launch, **EDGES.kernel_args())
 
 

@@ -152,7 +152,7 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
 
 
 def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
-    """The one-pass rule a posteriori (``filter.provisional_filter`` at the sample level,
+    """The one-pass rule a posteriori (``filter.provisional_filter`` at Z_est,
     ``one_pass_a_posteriori_check`` against Z_att): the candidates at the provisional level are
     scored, their exact mass with the dense part's is Z_att (every candidate's, as the compiled
     step sums it before its fallback decision), and where a head was lowered the candidates are
@@ -161,9 +161,8 @@ def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: Ex
     h_kv = k_cache.shape[1]
     pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
     tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
-    level = th.sample_level(ex.sample[0], ex.sample[1], ex.ref, ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed,
-                            sigma, config.eps * th.BUDGET_SAFETY)
-    provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, ex.z_lb, sigma, config, level)
+    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
+    provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
     z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
     filt, lowered = one_pass_a_posteriori_check(provisional, pb, tok, plan.page_req, ex.ref, z_att, sigma, config)

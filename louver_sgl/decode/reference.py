@@ -76,7 +76,7 @@ def _one_request(q, keys, values, pages_row, n, store, sigma, cfg: LouverConfig)
         t, keep, dropped = _a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample), sigma, cfg,
                                          groups)
     elif cfg.threshold.one_pass_a_posteriori and len(idx_pos):
-        t, keep, dropped = _one_pass_a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, scores[:, sample],
+        t, keep, dropped = _one_pass_a_posteriori(pb, tb, x_low[:, idx_pos], ref, z_dense, z_lb, len(sample),
                                                   sigma, cfg, groups)
     else:
         t, keep, dropped = _threshold_and_keep(pb, tb, scores[:, idx_pos], ref, z_lb, sigma, cfg)
@@ -148,11 +148,10 @@ def _gate(pb, u, x_page, x_tok, t, size: int):
     return keep, dropped
 
 
-def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, s_sample, sigma, cfg: LouverConfig, groups):
-    """The one-pass rule a posteriori: gate at the sample's level (``threshold.sample_level``, at
-    least the safe level at Z_lb) for the sample's exact scores ``s_sample`` ``[H_q, M]``;
-    Z_att = max(Z_lb, Z_dense + the exact mass of the GQA union of candidates there); a head whose
-    dropped mass does not fit eps·Z_att is lowered to the safe level at Z_att
+def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: LouverConfig, groups):
+    """The one-pass rule a posteriori: gate at the safe level at Z_est (the a-posteriori rule's
+    estimate of Z); Z_att = max(Z_lb, Z_dense + the exact mass of the GQA union of candidates
+    there); a head whose dropped mass does not fit eps·Z_att is lowered to the safe level at Z_att
     (``threshold.lowered_to_safe``). Returns T, the candidate mask ``[H_q, n_idx]`` and the
     certificate."""
     size, n_idx = cfg.page_size, tb.shape[1]
@@ -160,9 +159,8 @@ def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, s_sample, sigma, c
     u = torch.minimum(tb, pb.repeat_interleave(size, dim=1))
     x_page, x_tok = th.log_mass(pb, ref[:, None], sigma), th.log_mass(u, ref[:, None], sigma)
     n = torch.tensor([n_idx])
-    level = th.sample_level(s_sample.t()[None], torch.tensor([s_sample.shape[1]]), ref[None], z_dense[None],
-                            (z_lb - z_dense)[None], n, sigma, eps_budget)[0]
-    t0 = torch.maximum(level, th.safe_level(ref[None], z_lb[None], n, sigma, eps_budget, th.HIST_ROUNDING)[0])
+    z_est = th.estimated_z(z_dense[None], (z_lb - z_dense)[None], n, torch.tensor([n_sample]), cfg.estimate_share)[0]
+    t0 = th.safe_level(ref[None], z_est[None], n, sigma, eps_budget, th.HIST_ROUNDING)[0]
     keep0, dropped0 = _gate(pb, u, x_page, x_tok, t0, size)
     union0 = keep0.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
     z_att = torch.maximum(z_lb, z_dense + _mass(x_idx, union0))

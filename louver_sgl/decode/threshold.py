@@ -23,8 +23,7 @@ import math
 import torch
 
 from ..config import LouverConfig
-from .contract import (BUDGET_SAFETY, EDGES, HIST_ROUNDING, SAMPLE_LEVEL_SHARE, VALUE_GATE,  # noqa: F401 (re-exported)
-                       ThresholdEdges)
+from .contract import BUDGET_SAFETY, EDGES, HIST_ROUNDING, VALUE_GATE, ThresholdEdges  # noqa: F401 (re-exported)
 
 # The edges of the certified rule (contract.EDGES is their one definition; these names read them).
 EDGE_LOW, EDGE_STEP, EDGE_COUNT, EDGE_MARGIN = EDGES.low, EDGES.step, EDGES.count, EDGES.margin
@@ -116,32 +115,6 @@ def provisional_certified(dropped: torch.Tensor, z_lb: torch.Tensor, eps_budget:
     whatever the summation order; it is the certificate where it fits eps_budget·Z_lb (NaN fails)."""
     certificate = dropped * (1.0 + rounding)
     return certificate <= eps_budget * z_lb, certificate
-
-
-def sample_level(sample_scores: torch.Tensor, sample_count: torch.Tensor, ref: torch.Tensor,
-                 z_dense: torch.Tensor, z_sample: torch.Tensor, num_indexed: torch.Tensor, sigma: float,
-                 eps_budget: float, edges: ThresholdEdges = EDGES) -> torch.Tensor:
-    """The provisional level of the one-pass rule a posteriori, per (request, head): the highest
-    edge below which the sample's exact masses e^{σ(s − ref)}, each scaled by n/M (n indexed
-    tokens, M sampled), sum to at most ``SAMPLE_LEVEL_SHARE``·eps_budget·max(Z_lb, Z_dense +
-    (n/M)·Z_sample), as an fp32 T (``edge_threshold``); −inf where no edge fits or nothing is
-    sampled. The estimate of the mass a gate there drops adapts to how the scores spread, where a
-    share of Z_est alone (the safe level at Z_est) overshoots on flat attention.
-
-    sample_scores ``[B, M, H]`` fp32 padded with −inf, sample_count ``[B]``, ref ``[B, H]`` fp32,
-    z_dense, z_sample ``[B, H]`` fp64, num_indexed ``[B]`` int -> ``[B, H]`` fp32.
-    """
-    batch, m, heads = sample_scores.shape
-    scale = (num_indexed.to(torch.float64) / sample_count.to(torch.float64).clamp(min=1))[:, None]  # [B, 1]
-    x = log_mass(sample_scores, ref[:, None, :], sigma)  # [B, M, H]
-    mass = (torch.exp(x.clamp(max=700.0)) * scale[:, :, None]).nan_to_num(nan=0.0)
-    hist = torch.zeros(batch, heads, edges.hist_width, dtype=torch.float64)
-    hist.scatter_add_(2, edge_bins(x, edges).permute(0, 2, 1), mass.permute(0, 2, 1))
-    z_lb = z_dense + z_sample
-    budget = SAMPLE_LEVEL_SHARE * eps_budget * torch.maximum(z_lb, z_dense + z_sample * scale)
-    edge = pick_edge(torch.cumsum(hist, -1)[..., :edges.count], budget)
-    edge = torch.where((sample_count > 0)[:, None], edge, -1)
-    return edge_threshold(edge, ref, sigma, edges)
 
 
 def lowered_to_safe(t0: torch.Tensor, dropped: torch.Tensor, z_att: torch.Tensor, ref: torch.Tensor,
