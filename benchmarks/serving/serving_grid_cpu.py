@@ -43,6 +43,10 @@ CONFIGS = {
                                              {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                               "LOUVER_CERTIFIED_RULE": "a_posteriori",
                                               "LOUVER_CERTIFIED_PASSES": "1"}),
+    "certified-1e-3-one-pass-a-posteriori-s1": ("louver", "certified-1e-3-one-pass-a-posteriori-s1",
+                                                {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
+                                                 "LOUVER_CERTIFIED_RULE": "a_posteriori",
+                                                 "LOUVER_CERTIFIED_PASSES": "1", "LOUVER_ESTIMATE_SHARE": "1"}),
     # the certified histogram rule with two scans of the codes (the compiled step before its one-scan pass)
     "certified-1e-3-two-scans": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                                               "LOUVER_ONE_SCAN": "0"}),
