@@ -50,13 +50,13 @@ class LouverConfig:
         everything the step attended there. With two passes the first level comes from the
         histogram, and heads whose check fails lower T to the level that fits Z_att and attend
         the band between the two (design notes, "Certified a posteriori"); with one pass the
-        provisional level comes from the sample's exact scores (``threshold.sample_level``), and a
-        head whose check fails is lowered to the safe level at Z_att (design notes, "Certified a
+        provisional level is the safe level at that estimate instead of Z_lb, and a head whose
+        check fails is lowered to the safe level at Z_att (design notes, "Certified a
         posteriori in one pass"). Both rules certify; a_posteriori keeps fewer keys.
-      estimate_share: the two-pass a-posteriori first level's share of the estimated Z (above 0,
-        at most 4; the one-pass rule's level does not use it). The sample scaled to 32K tokens
-        underestimates Z, so 3 kept the fewest keys on the captured traces (docs/results.md);
-        lower values run the band pass less often but keep more.
+      estimate_share: the a-posteriori first (or provisional) level's share of the estimated Z
+        (above 0, at most 4). The sample scaled to 32K tokens underestimates Z on the captured
+        text, so 3 kept the fewest keys there (docs/results.md); lower values run the band pass
+        (or, with one pass, a second attend pass) less often but keep more.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 
