@@ -164,6 +164,14 @@ std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rou
   return failed;
 }
 
+// Z_att of row i: max(Z_lb, Z_dense + the exact mass of the attend pass's union candidates,
+// masses[..., 2]), the denominator both a-posteriori checks divide by (Z_lb = the exact part's two
+// masses, z[2i] + z[2i + 1]).
+double attended_z(const StepPlan& p, int64_t i) {
+  const double *z = p.z.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
+  return std::max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
+}
+
 // The check of the one-pass rule a posteriori: a head whose dropped-mass bound at its provisional
 // level times (1 + rounding) fits eps_budget·Z_att (Z_att = max(Z_lb, Z_dense + the exact mass of
 // the attend pass's union candidates, masses[..., 2]) is certified there with that product; a head
@@ -172,7 +180,7 @@ std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rou
 // certificate (0 where T = −inf). Returns per request whether some head was lowered.
 std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
-  const double *z = p.z.data_ptr<double>(), *z_lb = p.z_lb.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
+  const double* masses = p.masses.data_ptr<double>();
   const float* ref = p.ref.data_ptr<float>();
   const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
   float* t = p.t.data_ptr<float>();
@@ -181,7 +189,7 @@ std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
-      const double z_att = std::max(z_lb[i], z[2 * i] + masses[3 * i + 2]);
+      const double z_att = attended_z(p, i);
       cert[i] = masses[3 * i] * (1.0 + rounding);
       if (cert[i] <= eps_budget * z_att) continue;  // certified at the provisional level
       t[i] = safe_level(ref[i], z_att, n_idx[b], sigma, eps_budget, rounding);
@@ -250,7 +258,6 @@ std::vector<float> histogram_levels(const StepPlan& p, double sigma, double eps_
 std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_budget, double rounding,
                                        const Edges& edges) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
-  const double *z = p.z.data_ptr<double>(), *masses = p.masses.data_ptr<double>();
   const float* ref = p.ref.data_ptr<float>();
   float* t = p.t.data_ptr<float>();
   double* cert = p.certificate.data_ptr<double>();
@@ -258,7 +265,7 @@ std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_bud
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
-      const double z_att = std::max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
+      const double z_att = attended_z(p, i);
       if (t[i] == -INFINITY || cert[i] <= eps_budget * z_att) continue;  // certified at the first level
       double fit;
       const int64_t edge = fitting_edge(p, i, eps_budget * z_att, rounding, edges, &fit);
@@ -470,9 +477,9 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.rounding = rounding, c.bits = bits, c.page_size = page_size, c.edges = edges, c.residual = residual_weights;
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
     if (a_posteriori && one_pass && p.page_ids.numel() > 0) {  // the one-pass rule a posteriori
-      torch::Tensor z_est = p.z_lb.clone();
-      estimated_z(p, estimate_share, z_est.data_ptr<double>());
-      provisional_levels(p, z_est.data_ptr<double>(), sigma, eps_budget, rounding);
+      std::vector<double> z_est(B * H);
+      estimated_z(p, estimate_share, z_est.data());
+      provisional_levels(p, z_est.data(), sigma, eps_budget, rounding);
       AttendArgs first = a;
       first.tight_dropped = true;  // the check needs each dropped token's own bound mass
       if (attended.has_value()) attended->zero_();

@@ -94,10 +94,7 @@ def certified_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverC
     follows); the certificate is the index-dropped mass (no recount)."""
     t, certificate, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, config.eps * th.BUDGET_SAFETY,
                                                th.HIST_ROUNDING)
-    tok = torch.minimum(tok, pb[:, None, :])
-    x_page = th.log_mass(pb, ref[page_req], sigma)
-    x_tok = th.log_mass(tok, ref[page_req][:, None, :], sigma)
-    return _apply(t, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), certificate)
+    return _refilter(t, pb, tok, page_req, ref, sigma, certificate)
 
 
 @dataclass
@@ -166,10 +163,7 @@ def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: Lo
     batch, size = ref.shape[0], tok.shape[1]
     num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
     t_p = th.safe_level(ref, z_level, num_indexed, sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
-    tok_p = torch.minimum(tok, pb[:, None, :])
-    x_page = th.log_mass(pb, ref[page_req], sigma)
-    x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)
-    return _apply(t_p, pb, x_page, tok_p, x_tok, page_req, torch.arange(len(pb)))
+    return _refilter(t_p, pb, tok, page_req, ref, sigma)
 
 
 def one_pass_a_posteriori_check(provisional: FilterResult, pb, tok, page_req, ref, z_att, sigma: float,
@@ -187,8 +181,10 @@ def one_pass_a_posteriori_check(provisional: FilterResult, pb, tok, page_req, re
     return _refilter(t, pb, tok, page_req, ref, sigma, certificate), lowered
 
 
-def _refilter(t, pb, tok, page_req, ref, sigma: float, certificate) -> FilterResult:
-    """Every page row filtered at T ``[B, H_q]`` with ``certificate`` as the dropped mass."""
+def _refilter(t, pb, tok, page_req, ref, sigma: float, certificate=None) -> FilterResult:
+    """Every page row filtered at T ``[B, H_q]`` from page bounds ``[NP, H_q]`` and token bounds
+    ``[NP, P, H_q]`` (clamped here to their page's), with ``certificate`` as the dropped mass (or
+    the exact dropped bound)."""
     tok_p = torch.minimum(tok, pb[:, None, :])
     x_page = th.log_mass(pb, ref[page_req], sigma)
     x_tok = th.log_mass(tok_p, ref[page_req][:, None, :], sigma)

@@ -133,7 +133,7 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
     and the heads whose check fails add the band between the two levels (the final level's union
     minus the first's: no key is scored twice). Returns (FilterResult at the final level,
     candidates of both passes)."""
-    batch, heads = ex.ref.shape
+    heads = ex.ref.shape[1]
     h_kv = k_cache.shape[1]
     pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
     tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
@@ -141,7 +141,7 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
     first, level = a_posteriori_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     _, fallback = _fallback_mask(first, plan, h_kv, config)
     cand = _candidates(q32, k_cache, first, plan, fallback)
-    z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
+    z_att = _attended_z(cand, ex, sigma)
     filt, band = a_posteriori_second(level, ex.ref, z_att, sigma, config)
     if not bool(band.any()):
         return filt, cand
@@ -164,12 +164,17 @@ def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: Ex
     z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
     provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
-    z_att = torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, batch, gate=None))
+    z_att = _attended_z(cand, ex, sigma)
     filt, lowered = one_pass_a_posteriori_check(provisional, pb, tok, plan.page_req, ex.ref, z_att, sigma, config)
     union, fallback = _fallback_mask(filt, plan, h_kv, config)
     if bool(lowered.any()) or bool(fallback.any()):
         cand = _candidates(q32, k_cache, filt, plan, fallback)
     return filt, cand, union, fallback
+
+
+def _attended_z(cand: _Candidates, ex: ExactPart, sigma) -> torch.Tensor:
+    """Z_att ``[B, H_q]`` fp64: max(Z_lb, Z_dense + the exact mass of the union candidates ``cand``)."""
+    return torch.maximum(ex.z_lb, ex.z_dense + _candidate_mass(cand, ex.ref, sigma, ex.ref.shape[0], gate=None))
 
 
 def _cat(a: _Candidates, b: _Candidates) -> _Candidates:

@@ -162,8 +162,7 @@ def _one_pass_a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, c
     z_est = th.estimated_z(z_dense[None], (z_lb - z_dense)[None], n, torch.tensor([n_sample]), cfg.estimate_share)[0]
     t0 = th.safe_level(ref[None], z_est[None], n, sigma, eps_budget, th.HIST_ROUNDING)[0]
     keep0, dropped0 = _gate(pb, u, x_page, x_tok, t0, size)
-    union0 = keep0.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
-    z_att = torch.maximum(z_lb, z_dense + _mass(x_idx, union0))
+    z_att = _attended_z(keep0, x_idx, z_dense, z_lb, groups)
     t, certificate, _ = th.lowered_to_safe(t0[None], dropped0[None], z_att[None], ref[None], n, sigma, eps_budget,
                                            th.HIST_ROUNDING)
     return t[0], _gate(pb, u, x_page, x_tok, t[0], size)[0], certificate[0]
@@ -231,8 +230,7 @@ def _a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: Louve
     z_est = torch.maximum(z_lb, cfg.estimate_share * (z_dense + z_sample * n_idx / max(n_sample, 1)))
     first = [_largest_edge(lambda e, h=h: bound_at(h, e), eps_budget * z_est[h]) for h in range(h_q)]
     keep0 = torch.stack([keep_at(h, first[h])[1] for h in range(h_q)])
-    union0 = keep0.view(-1, groups, n_idx).any(1).repeat_interleave(groups, dim=0)
-    z_att = torch.maximum(z_lb, z_dense + _mass(x_idx, union0))
+    z_att = _attended_z(keep0, x_idx, z_dense, z_lb, groups)
     t_out, keep = torch.empty(h_q), torch.zeros(u.shape, dtype=torch.bool)
     dropped = torch.zeros(h_q, dtype=torch.float64)
     for h in range(h_q):
@@ -242,6 +240,13 @@ def _a_posteriori(pb, tb, x_idx, ref, z_dense, z_lb, n_sample, sigma, cfg: Louve
         t_out[h], keep[h] = keep_at(h, edge)
         dropped[h] = bound_at(h, float(th.EDGE_VALUES[edge])) if edge >= 0 else 0.0
     return t_out, keep, dropped
+
+
+def _attended_z(keep, x_idx, z_dense, z_lb, groups):
+    """Z_att ``[H_q]``: max(Z_lb, Z_dense + the exact mass of the GQA union of the candidate mask
+    ``keep`` ``[H_q, n_idx]``, from the lowered log-masses ``x_idx``)."""
+    union = keep.view(-1, groups, keep.shape[1]).any(1).repeat_interleave(groups, dim=0)
+    return torch.maximum(z_lb, z_dense + _mass(x_idx, union))
 
 
 def _largest_edge(mass_fn, budget) -> int:
