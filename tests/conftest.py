@@ -129,9 +129,12 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_boun
         page_bound, tok = _kernel_bounds(q, plan, store, residual)
         page_bound, tok = page_bound.view(-1, h_kv, groups), tok.view(len(plan.page_ids), size, h_kv, groups)
     else:
+        from louver_sgl.decode.impl_cpu import compiled_ops
+
         codes = store.page_codes(plan.page_ids)
         page_bound = bounds.page_bound
-        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits, residual)  # [n, P, H_kv, G]
+        limit = compiled_ops().int8_weight_limit(bits=config.grid_bits)  # this build's weight range
+        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits, residual, limit)  # [n, P, H_kv, G]
     t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
     keep = (~(page_bound.unsqueeze(1) < t)) & ~(tok < t)
     union = keep.any(-1)  # [n, P, H_kv]

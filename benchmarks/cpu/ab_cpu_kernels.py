@@ -36,7 +36,9 @@ from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit
 
 POLICIES = {"budget-0.05": dict(policy="budget", budget=0.05), "certified-1e-2": dict(policy="certified", eps=1e-2),
             "certified-1e-2-a-posteriori": dict(policy="certified", eps=1e-2, certified_rule="a_posteriori"),
-            "certified-1e-3": dict(policy="certified", eps=1e-3)}
+            "certified-1e-3": dict(policy="certified", eps=1e-3),
+            "certified-1e-2-one-pass-a-posteriori": dict(policy="certified", eps=1e-2, certified_passes=1,
+                                                         certified_rule="a_posteriori")}
 
 
 def build_baseline(source_dir: Path):

@@ -192,10 +192,10 @@ struct ChunkRunner {
         if (tokens) nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
         if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
-    } else if (avx2_scan()) {
+    } else if (avx2_scan()) {  // 8-bit codes take the weights in channel order
       for (int64_t g = 0; g < dot_heads(); ++g) {
-        nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
-        broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
+        if (a.bits == 4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
+        broadcast_quads8((a.bits == 4 ? wsplit8 : wq).data() + g * D, D, quads8.data() + g * 2 * D);
       }
     }
     return true;
@@ -206,8 +206,12 @@ struct ChunkRunner {
   // Weight rows the integer dots run over: G, or 2·G with residual weights.
   int64_t dot_heads() const { return residual ? 2 * a.groups : a.groups; }
 
-  // The 8-lane scan (AVX2 builds): 4-bit codes in the block16 layout (pages of a multiple of 16).
-  bool avx2_scan() const { return kHaveAvx2 && a.codes.block16 && a.bits == 4 && a.dim % 64 == 0 && a.groups <= 8; }
+  // The 8-lane scan (AVX2 builds): 4-bit codes, and 8-bit ones without VNNI, in the block16 layout
+  // (pages of a multiple of 16).
+  bool avx2_scan() const {
+    return kHaveAvx2 && a.codes.block16 && (a.bits == 4 || (a.bits == 8 && kCodes8Maddubs)) && a.dim % 64 == 0 &&
+           a.groups <= 8;
+  }
 
   // Whether the scan walks 16-token blocks (scan_block16) instead of single tokens.
   bool block_scan() const { return vnni_scan() || avx2_scan(); }
@@ -247,7 +251,11 @@ struct ChunkRunner {
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
-    dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
+    if (a.bits == 8) {
+      dot_block16_avx2_8bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
+    } else {
+      dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
+    }
     uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g] && !keep_res[g]) continue;

@@ -73,3 +73,10 @@ std::tuple<double, double> exp_ps16_error(double lo, double hi) {
   if (b >= 0.f) worst = std::max(worst, exp_error_patterns(to_bits(std::max(a, 0.f)), to_bits(b)));
   return {worst, kExpPs16RelError};
 }
+
+// The largest |int8 weight| of this build's token bounds for codes of ``bits`` bits
+// (int8_weight_limit): the torch specification's weight_limit.
+int64_t weight_limit_of_build(int64_t bits) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "int8_weight_limit: bits must be 2, 4 or 8");
+  return int8_weight_limit(bits);
+}

@@ -237,6 +237,17 @@ inline float norm_up(const float* x, int64_t n) {
   return std::sqrt(ss * kSquaresUp) * kNormUp;
 }
 
+// The int8 weights' range: ±127, except where 8-bit codes take the AVX2 block scan
+// (dot_block16_avx2_8bit: builds with AVX2 but without AVX-512 VNNI), whose _mm256_maddubs_epi16
+// adds two code·weight products in int16: 2·255·63 = 32130 < 2^15, where ±127 could saturate. The
+// torch specification takes it as ``weight_limit`` (the ``int8_weight_limit`` op reports it).
+#if defined(LOUVER_AVX2) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+constexpr bool kCodes8Maddubs = true;
+#else
+constexpr bool kCodes8Maddubs = false;
+#endif
+inline int int8_weight_limit(int64_t bits) { return kCodes8Maddubs && bits == 8 ? 63 : 127; }
+
 // Integer form of one head's token weights: w_d ≈ step·wq_d with wq_d int8, so that
 // Σ_d w_d·c_d <= step·Σ_d wq_d·c_d + err for every code vector c in [0, 2^bits − 1]^D. Codes are
 // never negative, so err = (2^bits − 1)·Σ_d max(w_d − step·wq_d, 0): only channels rounded down can
@@ -253,14 +264,15 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
     *step = 0.f;
     return NAN;
   }
-  const float s = top > 0.f ? top / 127.f : 1.f;
+  const float limit = static_cast<float>(int8_weight_limit(bits));
+  const float s = top > 0.f ? top / limit : 1.f;
   const float inv = 1.f / s;
   const float levels = static_cast<float>((1 << bits) - 1);
   float err = 0.f, mag = 0.f;
   int64_t d = 0;
 #if defined(__AVX512F__)
   // 16 channels at a time (the scalar loop below does not vectorise: nearbyint and the int8 cast)
-  const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f);
+  const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(limit);
   __m512 verr = _mm512_setzero_ps(), vmag = _mm512_setzero_ps();
   for (; d + 16 <= D; d += 16) {
     const __m512 x = _mm512_loadu_ps(w + d);
@@ -275,7 +287,7 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   mag = _mm512_reduce_add_ps(vmag);
 #elif defined(LOUVER_AVX2)
   // the same, 8 channels at a time
-  const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(inv), lim = _mm256_set1_ps(127.f);
+  const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(inv), lim = _mm256_set1_ps(limit);
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 verr = _mm256_setzero_ps(), vmag = _mm256_setzero_ps();
   for (; d + 8 <= D; d += 8) {
@@ -293,7 +305,7 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   mag = hsum8_ps(vmag);
 #endif
   for (; d < D; ++d) {
-    const float r = std::max(-127.f, std::min(127.f, std::nearbyint(w[d] * inv)));
+    const float r = std::max(-limit, std::min(limit, std::nearbyint(w[d] * inv)));
     wq[d] = static_cast<int8_t>(r);
     err += std::max(w[d] - s * r, 0.f);
     mag += std::fabs(s * r);
@@ -306,12 +318,14 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
 }
 
 // Residual int8 weights: w_d ≈ step·wq_d + step2·wq2_d, wq2 the int8 form of the fp32 residual r =
-// w − step·wq (step2 = max|r| / 127, about step / 254), so that for every code vector c in
-// [0, 2^bits − 1]^D, Σ_d w_d·c_d <= step·Σ wq_d·c_d + step2·Σ wq2_d·c_d + err. err is
+// w − step·wq (step2 = max|r| / L, about step / 2L, L = int8_weight_limit), so that for every code
+// vector c in [0, 2^bits − 1]^D, Σ_d w_d·c_d <= step·Σ wq_d·c_d + step2·Σ wq2_d·c_d + err. err is
 // quantize_weights' of r (its channels rounded down, the rounding of step2·wq2 and of step2·acc)
 // plus (2^bits − 1)·2^-20·Σ|step·wq_d|: the fp32 residual differs from w − step·wq by at most
-// 2^-23·(|step·wq_d| + |r_d|) per channel, and Σ|r_d| <= D·step/2 <= Σ|step·wq_d| for D <= 254
-// (the largest channel has |wq| = 127); the same term covers step·acc and the one more addition.
+// 2^-23·(|step·wq_d| + |r_d|) per channel, and Σ|r_d| <= D·step/2 <= (D / 2L)·Σ|step·wq_d| (the
+// largest channel has |wq| = L), at most 4.1·Σ|step·wq_d| for D <= 512 and L >= 63: with step·acc
+// and the one more addition (about 1.5·Σ|step·wq_d| more, in units of 2^-23 per code step) still
+// within the term's 8.
 // A second integer dot per token, against the first's 255 steps of rounding per channel: the
 // bound's int8 slack shrinks about 250-fold. NaN/Inf weights make err NaN, as quantize_weights.
 inline float quantize_weights_residual(const float* w, int64_t D, int64_t bits, int8_t* wq, int8_t* wq2,
@@ -324,8 +338,10 @@ inline float quantize_weights_residual(const float* w, int64_t D, int64_t bits, 
     return NAN;
   }
   const float s = *step;
+  // one rounding (an explicit fma), whether or not the compiler would contract w − s·wq: the
+  // torch specification rounds the exact residual once too
 #pragma omp simd
-  for (int64_t d = 0; d < D; ++d) r[d] = w[d] - s * static_cast<float>(wq[d]);
+  for (int64_t d = 0; d < D; ++d) r[d] = std::fma(-s, static_cast<float>(wq[d]), w[d]);
   const float levels = static_cast<float>((1 << bits) - 1);
   return quantize_weights(r, D, bits, wq2, step2) + levels * mag * 9.5367431640625e-07f;
 }
@@ -742,6 +758,30 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t*
           odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], _mm256_loadu_si256(quad + 2 * i + 1)));
         }
         acc[g] = _mm256_add_epi32(acc[g], _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones)));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 16 + 8 * h), acc[g]);
+  }
+}
+
+
+// The integer dots of the 16 tokens of a block16 block of 8-bit codes (``cols``: [D/4, 16, 4] for
+// one KV head) with G heads' int8 weights in channel order, broadcast per quad (broadcast_quads8:
+// [G, D/4, 8] int32): out[g·16 + t] for token t, as dot_block16_cols<8> computes them with VNNI.
+// Per dword of channels, _mm256_maddubs_epi16 multiplies 8 tokens' codes by the weight quad and adds
+// adjacent pairs into int16, exact for |w| <= 63 (int8_weight_limit: 2·255·63 < 2^15); the pairs
+// widen to int32 at once (two of them could pass 2^15).
+inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto* quads = reinterpret_cast<const __m256i*>(wb);
+  for (int h = 0; h < 2; ++h) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
+    __m256i acc[8];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < D / 4; ++j) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols + j * 64 + 32 * h));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256i pairs = _mm256_maddubs_epi16(c, _mm256_loadu_si256(quads + g * (D / 4) + j));
+        acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(pairs, ones));
       }
     }
     for (int64_t g = 0; g < G; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 16 + 8 * h), acc[g]);

@@ -30,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_stats", by_name("step_stats", step_stats), "Louver step statistics from the compiled step's totals (CPU)");
   m.def("fused_step", by_name("fused_step", fused_step),
         "Louver decode step of the sample-threshold policies in one call (CPU)");
+  m.def("int8_weight_limit", &weight_limit_of_build,
+        "Largest |int8 weight| of the token bounds of this build for codes of ``bits`` bits", pybind11::arg("bits"));
   m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)",
         pybind11::arg("lo"), pybind11::arg("hi"));
   pybind11::class_<StepPlan>(m, "StepPlan", pybind11::module_local(), "The plan side of the one-call step (see ops.h)")

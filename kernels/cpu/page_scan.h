@@ -78,8 +78,11 @@ struct PageScan {
 
   bool vnni() const { return kHaveVnni && D % 64 == 0 && (bits == 4 || bits == 8) && G <= 8; }
 
-  // The attend pass's 8-lane scan (ChunkRunner::avx2_scan) applies: AVX2 builds, 4-bit block16 codes.
-  bool avx2_blocks(const Codes& codes) const { return kHaveAvx2 && codes.block16 && bits == 4 && D % 64 == 0 && G <= 8; }
+  // The attend pass's 8-lane scan (ChunkRunner::avx2_scan) applies: AVX2 builds, block16 codes of
+  // 4 bits, or of 8 without VNNI.
+  bool avx2_blocks(const Codes& codes) const {
+    return kHaveAvx2 && codes.block16 && (bits == 4 || (bits == 8 && kCodes8Maddubs)) && D % 64 == 0 && G <= 8;
+  }
 
   // Reserve levels of the next pages' heads: level [G] f32 (−inf: every token), bins [G].
   void set_levels(const float* lv, const int64_t* bins) {
@@ -115,6 +118,7 @@ struct PageScan {
       if (vnni()) nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
       if ((vnni() || kHaveAvx2) && bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
       if (kHaveAvx2 && bits == 4 && D % 64 == 0) broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
+      if (kCodes8Maddubs && bits == 8 && D % 64 == 0) broadcast_quads8(wq.data() + g * D, D, quads8.data() + g * 2 * D);
     }
   }
 
@@ -287,7 +291,11 @@ struct PageScan {
       alignas(32) int32_t dots[8 * 16];
       alignas(32) float ub[8];
       for (; p + 16 <= P; p += 16) {
-        dot_block16_avx2_4bit(codes.block(first + p, k), D, quads8.data(), dot_heads(), dots);
+        if (bits == 8) {
+          dot_block16_avx2_8bit(codes.block(first + p, k), D, quads8.data(), dot_heads(), dots);
+        } else {
+          dot_block16_avx2_4bit(codes.block(first + p, k), D, quads8.data(), dot_heads(), dots);
+        }
         uint32_t keep = 0;
         for (int64_t g = 0; g < G; ++g) {
           if (!reach[g]) continue;

@@ -47,24 +47,26 @@ def chunk_totals_reference(counts, mass, chunk_req, batch):
     return per_head, per_req, masses
 
 
-def _int8_weights(weights, bits):
-    """(step ``[..., 1]``, int8 wq as float, slack ``[...]``) of ``quantize_weights``: w ≈ step·wq,
-    and slack bounds Σ (w − step·wq)·code over codes in [0, 2^bits − 1] with fp32 rounding (NaN
-    where a weight is not finite); also Σ|step·wq| ``[...]``."""
+def _int8_weights(weights, bits, limit=127):
+    """(step ``[..., 1]``, int8 wq as float, slack ``[...]``) of ``quantize_weights``: w ≈ step·wq
+    with |wq| <= ``limit``, and slack bounds Σ (w − step·wq)·code over codes in [0, 2^bits − 1]
+    with fp32 rounding (NaN where a weight is not finite); also Σ|step·wq| ``[...]``."""
     top = weights.abs().amax(-1, keepdim=True)
-    step = torch.where(top > 0, top / 127.0, torch.ones_like(top))
-    wq = torch.round(weights * (1.0 / step)).clamp(-127, 127)
+    step = torch.where(top > 0, top / float(limit), torch.ones_like(top))
+    wq = torch.round(weights * (1.0 / step)).clamp(-limit, limit)
     err = (weights - step * wq).clamp(min=0).sum(-1)
     mag = (step * wq).abs().sum(-1)
     slack = ((1 << bits) - 1) * (err * (1 + 2.0**-16) + mag * 2.0**-20) + 2.0**-126
     return step, wq, torch.where(torch.isfinite(top[..., 0]), slack, float("nan")), mag
 
 
-def int8_token_bounds_reference(weights, offset, codes, bits, residual=False):
+def int8_token_bounds_reference(weights, offset, codes, bits, residual=False, weight_limit=127):
     """The attend pass's int8 token bounds: the specification of the compiled ones.
 
     Each head's page weights w (``grid_query_terms``) become ``step·wq`` with ``wq`` int8
-    (step = max|w| / 127, rounded to nearest); the bound is offset + slack + step·Σ wq·code with
+    (step = max|w| / L, rounded to nearest, L = ``weight_limit``: 127, or the compiled build's
+    ``int8_weight_limit`` op, 63 for 8-bit codes on AVX2 builds without AVX-512 VNNI, whose
+    int16 pair sums must not saturate); the bound is offset + slack + step·Σ wq·code with
     the integer sum exact, where slack covers the channels rounded down (codes are never negative)
     and fp32 rounding. With ``residual`` (``CpuLaunch.residual_weights``) the fp32 residual r = w −
     step·wq gets int8 weights of its own (``quantize_weights_residual``): the bound is offset +
@@ -72,12 +74,14 @@ def int8_token_bounds_reference(weights, offset, codes, bits, residual=False):
     H_kv, G, D]``, offset ``[n, H_kv, G]`` fp32; codes ``[n, P, H_kv, B]`` packed -> ``[n, P, H_kv,
     G]`` fp32.
     """
-    step, wq, slack, mag = _int8_weights(weights, bits)
+    step, wq, slack, mag = _int8_weights(weights, bits, weight_limit)
     levels = unpack_codes(codes, bits).long()
     dots = torch.einsum("npkd,nkgd->npkg", levels, wq.long())
     if not residual:
         return (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
-    step_r, wq_r, slack_r, _ = _int8_weights(weights - step * wq, bits)
+    # the residual rounded once from its exact value (step·wq is exact in fp64), as the kernels' fma
+    residual_w = (weights.double() - step.double() * wq.double()).float()
+    step_r, wq_r, slack_r, _ = _int8_weights(residual_w, bits, weight_limit)
     slack = torch.where(torch.isnan(slack), slack, slack_r + ((1 << bits) - 1) * mag * 2.0**-20)
     dots_r = torch.einsum("npkd,nkgd->npkg", levels, wq_r.long())
     first = (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
