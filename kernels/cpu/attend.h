@@ -208,10 +208,7 @@ struct ChunkRunner {
 
   // The 8-lane scan (AVX2 builds): 4-bit codes, and 8-bit ones without VNNI, in the block16 layout
   // (pages of a multiple of 16).
-  bool avx2_scan() const {
-    return kHaveAvx2 && a.codes.block16 && (a.bits == 4 || (a.bits == 8 && kCodes8Maddubs)) && a.dim % 64 == 0 &&
-           a.groups <= 8;
-  }
+  bool avx2_scan() const { return avx2_block_scan(a.codes, a.bits, a.dim, a.groups); }
 
   // Whether the scan walks 16-token blocks (scan_block16) instead of single tokens.
   bool block_scan() const { return vnni_scan() || avx2_scan(); }
@@ -251,11 +248,7 @@ struct ChunkRunner {
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
-    if (a.bits == 8) {
-      dot_block16_avx2_8bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
-    } else {
-      dot_block16_avx2_4bit(a.codes.block(first + p, k), a.dim, quads8.data(), dot_heads(), dots);
-    }
+    dot_block16_avx2(a.codes.block(first + p, k), a.bits, a.dim, quads8.data(), dot_heads(), dots);
     uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g] && !keep_res[g]) continue;

@@ -788,7 +788,23 @@ inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t*
   }
 }
 
+// The 8-lane scan's integer dots of one block16 block, for the code width (avx2_block_scan).
+inline void dot_block16_avx2(const uint8_t* cols, int64_t bits, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+  if (bits == 8) {
+    dot_block16_avx2_8bit(cols, D, wb, G, out);
+  } else {
+    dot_block16_avx2_4bit(cols, D, wb, G, out);
+  }
+}
+
 #endif
+
+// Whether a page's codes take the 8-lane scan (AVX2 builds): block16 codes of 4 bits, or of 8
+// without VNNI, D a multiple of 64, at most 8 heads per group. The attend pass and the certified
+// passes decide alike, so that both bound a token with the same operations.
+inline bool avx2_block_scan(const Codes& codes, int64_t bits, int64_t D, int64_t G) {
+  return kHaveAvx2 && codes.block16 && (bits == 4 || (bits == 8 && kCodes8Maddubs)) && D % 64 == 0 && G <= 8;
+}
 
 // Bound on exp_ps16's relative error wherever e^x is a normal fp32 (checked by a test).
 constexpr double kExpPs16RelError = 0x1p-22;

@@ -80,9 +80,7 @@ struct PageScan {
 
   // The attend pass's 8-lane scan (ChunkRunner::avx2_scan) applies: AVX2 builds, block16 codes of
   // 4 bits, or of 8 without VNNI.
-  bool avx2_blocks(const Codes& codes) const {
-    return kHaveAvx2 && codes.block16 && (bits == 4 || (bits == 8 && kCodes8Maddubs)) && D % 64 == 0 && G <= 8;
-  }
+  bool avx2_blocks(const Codes& codes) const { return avx2_block_scan(codes, bits, D, G); }
 
   // Reserve levels of the next pages' heads: level [G] f32 (−inf: every token), bins [G].
   void set_levels(const float* lv, const int64_t* bins) {
@@ -291,11 +289,7 @@ struct PageScan {
       alignas(32) int32_t dots[8 * 16];
       alignas(32) float ub[8];
       for (; p + 16 <= P; p += 16) {
-        if (bits == 8) {
-          dot_block16_avx2_8bit(codes.block(first + p, k), D, quads8.data(), dot_heads(), dots);
-        } else {
-          dot_block16_avx2_4bit(codes.block(first + p, k), D, quads8.data(), dot_heads(), dots);
-        }
+        dot_block16_avx2(codes.block(first + p, k), bits, D, quads8.data(), dot_heads(), dots);
         uint32_t keep = 0;
         for (int64_t g = 0; g < G; ++g) {
           if (!reach[g]) continue;
