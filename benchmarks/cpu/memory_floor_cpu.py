@@ -48,17 +48,37 @@ int64_t touch(torch::Tensor codes, torch::Tensor page_ids, int64_t page_bytes, t
   int64_t total = 0;
 #pragma omp parallel num_threads(at::get_num_threads()) reduction(+ : total)
   {
+    // One 64-byte line per step: one zmm load where the build has AVX-512, two ymm loads where it
+    // has AVX2 only (the sum of the int32 words is the same either way).
+#ifdef __AVX512F__
     __m512i acc = _mm512_setzero_si512();
-    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     auto lines = [&acc](const uint8_t* p, int64_t n) {
       for (int64_t o = 0; o < n; o += 64) acc = _mm512_add_epi32(acc, _mm512_loadu_si512(p + o));
     };
+#else
+    __m256i acc = _mm256_setzero_si256();
+    auto lines = [&acc](const uint8_t* p, int64_t n) {
+      for (int64_t o = 0; o < n; o += 64) {
+        acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
+        acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o + 32)));
+      }
+    };
+#endif
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     for (int64_t i = np * id / nt; i < np * (id + 1) / nt; ++i) {
       lines(c + pid[i] * page_bytes, page_bytes);
       for (int64_t j = nk * i / np; j < nk * (i + 1) / np; ++j) lines(kb + kr[j] * row_bytes, row_bytes);
       for (int64_t j = nv * i / np; j < nv * (i + 1) / np; ++j) lines(vb + vr[j] * row_bytes, row_bytes);
     }
+#ifdef __AVX512F__
     total += _mm512_reduce_add_epi32(acc);
+#else
+    alignas(32) int32_t words[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words), acc);
+    int32_t sum = 0;  // wraps like the zmm lanes would (the reference is modulo 2^32)
+    for (int32_t w : words) sum = static_cast<int32_t>(static_cast<uint32_t>(sum) + static_cast<uint32_t>(w));
+    total += sum;
+#endif
   }
   return total;
 }
