@@ -15,6 +15,11 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The Triton kernels' own tests take a minute each under the interpreter on two cores (a second on a
+# GPU): where there is no CUDA they belong to the full tier (docs/testing.md), the conformance
+# suite's interpreted rows of the first layout standing for them in the fast tier.
+SLOW_WHERE_INTERPRETED = [pytest.mark.slow] if not torch.cuda.is_available() else []
+
 # On CI (CI=true) a piece that should build here and does not fails the run instead of skipping
 ON_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 

@@ -76,6 +76,8 @@ INDEXES = {
     "grid-4bit-p128": {"family": "grid", "grid_bits": 4, "page_size": 128},
     # the index of the AMD EPYC AVX-512 and Intel fp32 profiles
     "grid-8bit-p128": {"family": "grid", "grid_bits": 8, "page_size": 128},
+    # one page-level term and one set of int8 weights per 256 tokens: half the per-page work of page 128
+    "grid-8bit-p256": {"family": "grid", "grid_bits": 8, "page_size": 256},
     "clustered-S16-bf4": {"family": "clustered", "n_subspaces": 16, "cluster_size": 4},
 }
 

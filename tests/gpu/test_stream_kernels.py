@@ -15,12 +15,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import fp64_request, make_paged  # noqa: E402
+from conftest import SLOW_WHERE_INTERPRETED, fp64_request, make_paged  # noqa: E402
 from louver_kernels.triton import stream_decode as stream  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import LouverDecode  # noqa: E402
 from louver_sgl.decode.reference import reference_decode  # noqa: E402
+
+pytestmark = SLOW_WHERE_INTERPRETED  # the full tier where there is no CUDA (conftest)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENS = [300, 700, 20, 64, 129]

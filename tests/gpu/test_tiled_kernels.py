@@ -18,11 +18,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import compiled_attended, fp64_request, make_paged  # noqa: E402
+from conftest import SLOW_WHERE_INTERPRETED, compiled_attended, fp64_request, make_paged  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import HeadShapes, LouverDecode  # noqa: E402
 from louver_sgl.decode.impl_cpu import compiled_ops  # noqa: E402
+
+pytestmark = SLOW_WHERE_INTERPRETED  # the full tier where there is no CUDA (conftest)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENS = [300, 701, 20, 64, 129]

@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import fp64_request, make_paged  # noqa: E402
+from conftest import SLOW_WHERE_INTERPRETED, fp64_request, make_paged  # noqa: E402
 from louver_kernels.triton.grid_build import grid_build  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
@@ -24,6 +24,8 @@ from louver_sgl.decode import HeadShapes, LouverDecode  # noqa: E402
 from louver_sgl.decode.impl_triton import GpuWorkspace  # noqa: E402
 from louver_sgl.decode.reference import reference_decode  # noqa: E402
 from louver_sgl.index import grid  # noqa: E402
+
+pytestmark = SLOW_WHERE_INTERPRETED  # the full tier where there is no CUDA (conftest)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
