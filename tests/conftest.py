@@ -20,6 +20,13 @@ if not torch.cuda.is_available():
 # suite's interpreted rows of the first layout standing for them in the fast tier.
 SLOW_WHERE_INTERPRETED = [pytest.mark.slow] if not torch.cuda.is_available() else []
 
+
+def slow_where_interpreted(test):
+    """``SLOW_WHERE_INTERPRETED`` on one test function."""
+    for mark in SLOW_WHERE_INTERPRETED:
+        test = mark(test)
+    return test
+
 # On CI (CI=true) a piece that should build here and does not fails the run instead of skipping
 ON_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 

@@ -19,6 +19,7 @@ def ops():
         skip_or_fail(f"cannot build the read loop: {exc}")
 
 
+@pytest.mark.slow  # the read loop's build: 45 s on two cores, for a benchmark's tool
 def test_touch_matches_reference(ops):
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (64, 3, 32), dtype=torch.uint8, generator=gen)

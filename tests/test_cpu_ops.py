@@ -349,7 +349,9 @@ def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, r
 
     cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
     h_kv, groups = 2, 3
-    k, _, table, lens = make_paged([300, 700, 129], page_size, h_kv, dim, seed=11, dtype=dtype)
+    stretch = max(1, page_size // 32)  # large pages: as many indexed pages as at page 32
+    k, _, table, lens = make_paged([300 * stretch, 700 * stretch, 129 * stretch], page_size, h_kv, dim, seed=11,
+                                   dtype=dtype)
     store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
     store.build_pages(k, torch.arange(store.num_pages))
     q = torch.randn(3, h_kv * groups, dim, generator=torch.Generator().manual_seed(12)) * scale
@@ -361,7 +363,7 @@ def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, r
 
 
 @pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64),
-                                                (4, 16, 96)])
+                                                (4, 16, 96), (8, 256, 64)])
 @pytest.mark.parametrize("residual", [False, True], ids=["int8", "residual"])
 def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim, residual):
     """The op's token bounds (VNNI 16-token blocks with 4- and 8-bit codes, the per-token path for

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 # the path imports SGLang's KV pool types; the lent GPU machine has no SGLang
 pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="needs SGLang (absent on the lent GPU machine)")
 
+from conftest import slow_where_interpreted  # noqa: E402
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import HeadShapes, louver_decode  # noqa: E402
@@ -90,6 +91,7 @@ def test_build_completed_builds_only_finished_pages():
     assert torch.equal(store.tensors["codes"].view(-1, P, 2, 64)[page].cpu(), ref["codes"][0])
 
 
+@slow_where_interpreted  # 30 s under the interpreter; the conformance suite runs each Triton step
 def test_auto_dispatch_chooses_per_batch_size_with_each_implementations_launch():
     """``cuda_decode=auto``: the launch section's rules choose per batch size (a graph captured
     for a batch size keeps its choice); each implementation runs with its own launch fields and
