@@ -164,7 +164,8 @@ def test_forced_fallback_attends_densely(impl):
 
 
 @pytest.mark.parametrize("impl,bad", [
-    pytest.param(impl, bad, id=f"{impl}-{name}", marks=_slow_if(_interpreted(impl) and (name != "nan" or impl == "triton_tiled")))
+    pytest.param(impl, bad, id=f"{impl}-{name}",
+                 marks=_slow_if(_interpreted(impl) and (name != "nan" or impl == "triton_tiled")))
     for impl in IMPLS for name, bad in (("nan", float("nan")), ("inf", float("inf")), ("-inf", -float("inf")))])
 def test_a_nan_key_is_kept_and_touches_no_other_request(impl, bad):
     """A NaN or infinite component in one key of request 0's indexed pages: no error; the key is

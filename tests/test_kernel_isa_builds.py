@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import skip_or_fail
+from louver_sgl.profiles.device import cpu_flags
 
 SOURCES = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 # -march level -> what common.h must select there
@@ -37,10 +38,7 @@ def _include_flags() -> list[str]:
 
 def _native_level() -> str | None:
     """The level whose paths this machine's own ``-march=native`` build compiles, if one of ours."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
-    except (OSError, IndexError):
-        return None
+    flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return "icelake-server"
     return "haswell" if {"avx2", "fma", "f16c"} <= flags else None

@@ -50,14 +50,8 @@ def _run(impl, config, q, k, v, table, lens, store, sigma, launch=LAUNCH):
     return out.cpu(), stats, [m.cpu() for m in masks], decode
 
 
-# under the interpreter each case takes 15-18 s: the certified one runs in the fast tier
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("policy,dtype", [("certified", torch.float16),
-                                          pytest.param("budget", torch.float32, marks=SLOW),
-                                          pytest.param("fixed", torch.float16, marks=SLOW),
-                                          pytest.param("dense", torch.float32, marks=SLOW)])
+@pytest.mark.parametrize("policy,dtype", [("certified", torch.float16), ("budget", torch.float32),
+                                          ("fixed", torch.float16), ("dense", torch.float32)])
 def test_stream_attends_the_fused_set_exactly(policy, dtype):
     """Same T, same attended set, same counters as the fused kernels (both gate with the same
     bounds); the output is fp64 attention over that set; recall 1.0 against fp64 scores."""
@@ -148,7 +142,6 @@ def test_segment_capacity_and_group_limit():
         _run("triton_stream", config, q, k, v, table, lens, store, 0.125)
 
 
-@SLOW  # 40 s under the interpreter; the conformance suite's one-pass rows stay in the fast tier
 def test_one_pass_certified_on_the_device():
     """``certified_passes=1``: T is the provisional level where the check passes (the certificate
     below eps); a request whose check fails (a NaN in a dense key) gets the histogram rule's T
