@@ -58,6 +58,26 @@ def test_the_high_nibbles_bound_every_key(seed, dtype):
     assert float((u - exact).median()) < float((exact.abs() + 1).median()) * 10
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_every_prefix_of_bit_planes_bounds_every_key(seed):
+    """The split designs read 1 to 7 high bits of the 8-bit codes: each prefix bounds every key,
+    and each more bit tightens the bound (the cell halves)."""
+    dim = 32
+    keys = _keys(seed, dim, torch.float16)
+    store = PageIndexStore(LouverConfig(page_size=P, grid_bits=8), keys.shape[0] // P, H_KV, dim, torch.float16)
+    store.build_pages(keys, torch.arange(store.num_pages))
+    t = store.tensors
+    codes = unpack_codes(store.page_codes(torch.arange(store.num_pages)), 8)
+    q = _queries(seed, dim)
+    exact = _exact(q, keys).view(store.num_pages, P, H_KV, G)
+    slack = []
+    for low_bits in range(7, 0, -1):
+        u = nibble_coarse_bounds(q, t["lo"], t["scale"], t["radius"], codes, low_bits=low_bits)
+        assert bool((exact <= u).all()), f"{8 - low_bits} high bits"
+        slack.append(float((u - exact).mean()))
+    assert all(b < a for a, b in zip(slack, slack[1:])), slack
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("block", [4, 8])
 def test_block_min_max_bounds_every_key_of_its_block(seed, block):

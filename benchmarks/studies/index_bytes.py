@@ -7,22 +7,25 @@ policy, summed over KV heads and queries:
 * bytes read per step, as a fraction of dense bf16 K+V (4·D bytes per token and KV head): the
   index (codes and per-page or per-block terms of what the design reads), the K rows of the GQA
   union of candidates, the V rows attended (the budget policy's value gate: exact score at least
-  T), the dense part (sink page, recent page, tail: K and V) and the sample's K rows;
+  T), the dense part (sink page, recent page, tail: K and V) and the sample's K rows, each part
+  also alone (``bytes_by_part``: ``PARTS``; ``codes`` is the first plane of a split design);
 * recall of {exact fp64 score ≥ T} (must be exactly 1.0; the study fails otherwise);
 * kept over oracle: union candidates over the oracle's union (budget: the keys whose exact score
   reaches T; certified: the fewest highest-scoring keys whose complement's true mass is ≤ ε·Z).
 
 Designs (all sound in floating point; design notes, "Index designs by bytes moved"):
 
-* ``grid{8,4}-p{64,128}``: today's grid, the kernels' int8 token bounds;
+* ``grid{8,4}-p{64,128}``: today's grid, the kernels' int8 token bounds; ``grid8r-p128`` with
+  the compiled CPU step's residual int8 weights (a second integer dot per token);
 * ``tier{B}-grid8-p64``: a per-block channel min/max (fp16, rounded outward) over blocks of B
   tokens bounds each block; the 8-bit codes are read only for blocks whose bound reaches T;
-* ``split{a}+{b}(+{c})-p{64,128}``: the 8-bit grid's codes stored as bit planes (high bits
+* ``split{a}+{b}(+...)-p{64,128}``: the 8-bit grid's codes stored as bit planes (high bits
   first); a prefix of planes bounds each token by its cell (e.g. the high nibble: center
   lo + (16·hi + 8)·scale, half-width 7.5·scale + radius), and the next plane is read only for
   tokens whose bound so far reaches the gate, the last giving the 8-bit bound; certified steps
   count a token below the gate's lowest level by its bound so far (as a one-pass kernel would:
-  ``triton_tiled``'s window from the safe level);
+  ``triton_tiled``'s window from the safe level); a final ``r``: the last plane's bound with
+  residual int8 weights, as ``grid8r``;
 * ``lowrank{r}-p64``: per (layer, KV head) a projection P (the top-r eigenvectors of the keys'
   second moment, calibrated on *another* trace) with an 8-bit grid over the projected keys and,
   per token, ‖k − PᵀPk‖ and ‖P(k − PᵀPk)‖ + ‖Pk − k̃‖ rounded up (fp16), so that
@@ -81,8 +84,9 @@ class Bounds:
     units_per_extra: int = 1
 
 
-def grid_bounds(keys, q, page_size: int, bits: int, idx) -> Bounds:
-    """Today's grid (int8 token bounds, as the kernels gate)."""
+def grid_bounds(keys, q, page_size: int, bits: int, idx, residual: bool = False) -> Bounds:
+    """Today's grid (int8 token bounds, as the kernels gate; ``residual``: with the compiled CPU
+    step's residual int8 weights, ``CpuLaunch.residual_weights``)."""
     config = LouverConfig(page_size=page_size, grid_bits=bits)
     h_kv, dim = keys.shape[1], keys.shape[2]
     pages = idx.stop - idx.start
@@ -92,7 +96,7 @@ def grid_bounds(keys, q, page_size: int, bits: int, idx) -> Bounds:
     groups = q.shape[0] // h_kv
     rows = q.float().view(1, h_kv, groups, dim).expand(pages, -1, -1, -1).contiguous()
     b = store.page_bounds(rows, ids)
-    tok = int8_token_bounds_reference(*b.terms, store.page_codes(ids), bits)
+    tok = int8_token_bounds_reference(*b.terms, store.page_codes(ids), bits, residual=residual)
     pb = b.page_bound.reshape(pages, -1)
     return Bounds(pb, torch.minimum(tok.reshape(pages, page_size, -1), pb[:, None]), page_size,
                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim * bits / 8)
@@ -157,26 +161,31 @@ def lowrank_design(keys, q, proj: torch.Tensor, idx, page_size: int = 64) -> Bou
                   code_bytes_per_token=rank + 4)
 
 
+PARTS = ("unit_terms", "codes", "planes", "k_rows", "v_rows", "dense_part", "sample")
+
+
 def step_bytes(b: Bounds, keep_unit, union, scores_idx, t, dense_tokens, n_tokens, sample, dim, groups):
-    """Bytes of one query's step over all KV heads, and the dense bf16 K+V bytes. union
-    ``[n_idx, H_kv]``; scores_idx ``[n_idx, H_q]``; t ``[H_q]`` (the value gate's T; None: every
-    union row's V is read)."""
+    """Bytes of one query's step over all KV heads by part (``PARTS``; "planes" is left to the
+    caller), and the dense bf16 K+V bytes. union ``[n_idx, H_kv]``; scores_idx ``[n_idx, H_q]``;
+    t ``[H_q]`` (the value gate's T; None: every union row's V is read)."""
     h = keep_unit.shape[1]
     h_kv = h // groups
     row = 2 * dim  # one bf16 K or V row
     read_unit = keep_unit.view(-1, h_kv, groups).any(-1)  # [U, H_kv]
     units = keep_unit.shape[0]
-    index = units * h_kv * b.index_bytes_per_unit + float(read_unit.sum()) * b.unit * b.code_bytes_per_token
+    unit_terms = units * h_kv * b.index_bytes_per_unit
+    codes = float(read_unit.sum()) * b.unit * b.code_bytes_per_token
     if b.extra_bytes_per_read_unit:
         pages = read_unit.view(-1, b.units_per_extra, h_kv).any(1)
-        index += float(pages.sum()) * b.extra_bytes_per_read_unit
+        unit_terms += float(pages.sum()) * b.extra_bytes_per_read_unit
     k_rows = float(union.sum())
     v_rows = k_rows
     if t is not None:
         gate = th.gate_threshold(t).view(h_kv, groups)
         v_rows = float((union & (scores_idx.view(-1, h_kv, groups) >= gate).any(-1)).sum())
-    moved = index + (k_rows + v_rows) * row + dense_tokens * h_kv * 2 * row + sample * h_kv * row
-    return moved, n_tokens * h_kv * 2 * row
+    parts = dict(unit_terms=unit_terms, codes=codes, planes=0.0, k_rows=k_rows * row, v_rows=v_rows * row,
+                 dense_part=dense_tokens * h_kv * 2 * row, sample=sample * h_kv * row)
+    return parts, n_tokens * h_kv * 2 * row
 
 
 def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: int, sample_size: int) -> dict:
@@ -225,11 +234,11 @@ def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: i
         else:
             c = dict(m_idx=mass[:, idx_pos], z_true=z_true)
             oracle = oracle_keep(c, eps).t().reshape(h_kv, groups, -1).any(1)
-        moved, dense_bytes = step_bytes(bounds, keep_unit, union.t(), s_idx.t().float(),
+        parts, dense_bytes = step_bytes(bounds, keep_unit, union.t(), s_idx.t().float(),
                                         t if eps is None else None, float(dense.sum()), n, len(sample), dim, groups)
         for reads, nbytes in plane_reads:
-            moved += float(reads.view(-1, h_kv, groups).any(-1).sum()) * nbytes
-        out[policy] = dict(moved=moved, dense=dense_bytes, kept=int(union.sum()), oracle=int(oracle.sum()),
+            parts["planes"] += float(reads.view(-1, h_kv, groups).any(-1).sum()) * nbytes
+        out[policy] = dict(parts=parts, dense=dense_bytes, kept=int(union.sum()), oracle=int(oracle.sum()),
                            recall_ok=recall_ok)
     return out
 
@@ -242,37 +251,77 @@ def _window_floor(ref, z_lb, n_idx: int, sigma: float, eps: float, start: int = 
     return th.edge_threshold(edge.clamp(min=0), ref, sigma)
 
 
-def designs_for(keys, q, idx64, idx128, projections: dict) -> dict[str, tuple[Bounds, range, int]]:
+# bit-plane splits of the 8-bit codes studied, per page size (high bits first)
+SPLITS = {64: ((4, 4), (2, 2, 4), (3, 5)),
+          128: ((4, 4), (2, 2, 4), (1, 1, 2, 4), (2, 3, 3), (2, 1, 1, 4), (2, 2, 2, 2), (2, 1, 1, 2, 2),
+                (2, 1, 1, 1, 1, 1, 1))}
+RESIDUAL_SPLITS = ((2, 2, 4), (2, 1, 1, 4))  # page 128, the last plane bounded with residual int8 weights
+
+
+def design_names(ranks) -> list[str]:
+    """Every design the study measures, in table order."""
+    names = [f"grid{bits}-p{page}" for bits in (8, 4) for page in (64, 128)] + ["grid8r-p128"]
+    names += [f"split{'+'.join(map(str, planes))}-p{page}" for page, splits in SPLITS.items() for planes in splits]
+    names += [f"split{'+'.join(map(str, planes))}r-p128" for planes in RESIDUAL_SPLITS]
+    names += [f"tier{block}-grid8-p64" for block in (8, 16, 32)]
+    return names + [f"lowrank{rank}-p64" for rank in ranks]
+
+
+def designs_for(keys, q, idx64, idx128, projections: dict, wanted=None) -> dict[str, tuple[Bounds, range, int]]:
+    """The designs named in ``wanted`` (default: all), each as (bounds, indexed pages, page size);
+    a split or tier design builds the 8-bit grid of its page size for its last plane."""
+    wanted = set(design_names(projections) if wanted is None else wanted)
+    idx = {64: idx64, 128: idx128}
+    grids: dict[tuple[int, int, bool], Bounds] = {}
+
+    def grid(bits: int, page: int, residual: bool = False) -> Bounds:
+        if (bits, page, residual) not in grids:
+            grids[bits, page, residual] = grid_bounds(keys, q, page, bits, idx[page], residual)
+        return grids[bits, page, residual]
+
     out = {}
     for bits in (8, 4):
-        out[f"grid{bits}-p64"] = (grid_bounds(keys, q, 64, bits, idx64), idx64, 64)
-        out[f"grid{bits}-p128"] = (grid_bounds(keys, q, 128, bits, idx128), idx128, 128)
-    out["split4+4-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0]), idx64, 64)
-    out["split4+4-p128"] = (split_bounds(keys, q, idx128, out["grid8-p128"][0], 128), idx128, 128)
-    out["split2+2+4-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0], planes=(2, 2, 4)), idx64, 64)
-    out["split3+5-p64"] = (split_bounds(keys, q, idx64, out["grid8-p64"][0], planes=(3, 5)), idx64, 64)
+        for page in (64, 128):
+            if f"grid{bits}-p{page}" in wanted:
+                out[f"grid{bits}-p{page}"] = (grid(bits, page), idx[page], page)
+    if "grid8r-p128" in wanted:
+        out["grid8r-p128"] = (grid(8, 128, True), idx128, 128)
+    for page, splits in SPLITS.items():
+        for planes in splits:
+            name = f"split{'+'.join(map(str, planes))}-p{page}"
+            if name in wanted:
+                out[name] = (split_bounds(keys, q, idx[page], grid(8, page), page, planes), idx[page], page)
+    for planes in RESIDUAL_SPLITS:
+        name = f"split{'+'.join(map(str, planes))}r-p128"
+        if name in wanted:
+            out[name] = (split_bounds(keys, q, idx128, grid(8, 128, True), 128, planes), idx128, 128)
     for block in (8, 16, 32):
-        out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, out["grid8-p64"][0]), idx64, 64)
+        if f"tier{block}-grid8-p64" in wanted:
+            out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, grid(8, 64)), idx64, 64)
     for rank, proj in projections.items():
-        out[f"lowrank{rank}-p64"] = (lowrank_design(keys, q, proj, idx64), idx64, 64)
+        if f"lowrank{rank}-p64" in wanted:
+            out[f"lowrank{rank}-p64"] = (lowrank_design(keys, q, proj, idx64), idx64, 64)
     return out
 
 
-def measure_trace(path: Path, calibration: Path, ranks, stride: int) -> dict:
+def measure_trace(path: Path, calibration: Path, ranks, stride: int, wanted=None) -> dict:
     trace, calib = load_trace(path), load_trace(calibration)
     sigma = float(trace["meta"]["softmax_scale"])
     totals: dict[tuple[str, str], dict] = {}
     for layer in sorted(trace["keys"]):
         keys, queries = trace["keys"][layer], trace["queries"][layer]
-        projections = {r: calibrate_projection(calib["keys"][layer], r) for r in ranks}
+        projections = {r: calibrate_projection(calib["keys"][layer], r) for r in ranks
+                       if wanted is None or f"lowrank{r}-p64" in wanted}
         for qi, pos in list(enumerate(trace["query_positions"].tolist()))[::stride]:
             k = keys[: pos + 1]
             idx64 = split_pages(pos + 1, LouverConfig(page_size=64))[1]
             idx128 = split_pages(pos + 1, LouverConfig(page_size=128))[1]
-            for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections).items():
+            for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections, wanted).items():
                 for policy, r in measure_query(k, queries[qi], sigma, design, bounds, idx, page, 256).items():
-                    acc = totals.setdefault((design, policy), dict(moved=0.0, dense=0.0, kept=0, oracle=0, recall=True))
-                    acc["moved"] += r["moved"]
+                    acc = totals.setdefault((design, policy), dict(parts=dict.fromkeys(PARTS, 0.0), dense=0.0, kept=0,
+                                                                   oracle=0, recall=True))
+                    for part, nbytes in r["parts"].items():
+                        acc["parts"][part] += nbytes
                     acc["dense"] += r["dense"]
                     acc["kept"] += r["kept"]
                     acc["oracle"] += r["oracle"]
@@ -285,17 +334,22 @@ def main() -> int:
     parser.add_argument("--traces", nargs="+", required=True)
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--query-stride", type=int, default=4, help="every n-th captured query")
+    parser.add_argument("--designs", nargs="+", default=None, help="only these designs (default: all)")
     parser.add_argument("--out", default="benchmarks/results/index_bytes.json")
     args = parser.parse_args()
+    unknown = set(args.designs or []) - set(design_names(args.ranks))
+    if unknown:
+        parser.error(f"unknown designs {sorted(unknown)}; known: {design_names(args.ranks)}")
     rows, start = [], time.time()
     for path in map(Path, args.traces):
         other = [Path(t) for t in args.traces if Path(t).name.split("_")[0] != path.name.split("_")[0]]
         calibration = other[0] if other else path  # the projection comes from another text
-        for (design, policy), acc in measure_trace(path, calibration, args.ranks, args.query_stride).items():
-            rows.append(dict(design=design, trace=path.stem, policy=policy, bytes_fraction=acc["moved"] / acc["dense"],
+        for (design, policy), acc in measure_trace(path, calibration, args.ranks, args.query_stride, args.designs).items():
+            rows.append(dict(design=design, trace=path.stem, policy=policy, bytes_fraction=sum(acc["parts"].values()) / acc["dense"],
                              recall=1.0 if acc["recall"] else 0.0, kept_over_oracle=acc["kept"] / max(acc["oracle"], 1),
                              shipped=design in SHIPPED, shipped_on=SHIPPED.get(design, []),
-                             calibrated_on=calibration.stem if design.startswith("lowrank") else None))
+                             calibrated_on=calibration.stem if design.startswith("lowrank") else None,
+                             bytes_by_part={k: v / acc["dense"] for k, v in acc["parts"].items()}))
             print(json.dumps(rows[-1]), flush=True)
         print(f"[index_bytes] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(stamped({"config": vars(args), "rows": rows}), indent=1) + "\n")
