@@ -70,6 +70,68 @@ def test_malformed_profiles_are_rejected(tmp_path, data, message):
         Profile.load(write(tmp_path, data))
 
 
+BUDGET_SECTION = {"config": {"grid_bits": 8, "page_size": 64}, "launch": {"chunk_pages": 64},
+                  "measured": {"eps": None, "speedup_vs_defaults": 1.1}}
+
+
+@pytest.mark.parametrize("policies, message", [
+    ({"sparse": BUDGET_SECTION}, "section for 'sparse'"),
+    ({"budget": {"config": {"eps": 1e-2}}}, "accuracy knobs"),
+    ({"budget": {"config": {"page_size": 48}}}, r"policies.budget.*invalid config"),
+    ({"budget": {"launch": {"chunk_pages": "64"}}}, "launch.chunk_pages"),
+    ({"budget": {"config": {}, "extra": {}}}, "keys among"),
+    ({"budget": {"config": [1]}}, "must be JSON objects"),
+    ([BUDGET_SECTION], "policies must be a JSON object"),
+])
+def test_malformed_policy_sections_are_rejected(tmp_path, policies, message):
+    with pytest.raises(ProfileError, match=message):
+        Profile.load(write(tmp_path, profile_dict(policies=policies)))
+
+
+def test_the_served_policys_section_applies_over_the_main_values(tmp_path):
+    """A profile tuned under certified with a budget section: a budget server takes the section's
+    values (over the main ones it does not set), a certified one the main values; the user's
+    options still win over both, and the log line names the section."""
+    path = write(tmp_path, profile_dict(policies={"budget": BUDGET_SECTION}))
+    assert Profile.load(path).to_dict()["policies"] == {"budget": BUDGET_SECTION}
+    config, serving, selection = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE": path}, DEVICE)
+    assert (config.policy, config.page_size, config.grid_bits, serving.chunk_pages) == ("certified", 32, 4, 16)
+    assert "section" not in selection.message
+    env = {"LOUVER_PROFILE": path, "LOUVER_POLICY": "budget"}
+    config, serving, selection = resolve_options("cpu", SHAPES, env, DEVICE)
+    assert (config.page_size, config.grid_bits, config.sink_pages) == (64, 8, 2)
+    assert (serving.chunk_pages, serving.num_threads) == (64, 1)
+    assert "'budget' section" in selection.message
+    cfg = tmp_path / "louver.json"
+    cfg.write_text(json.dumps({"policy": "budget", "page_size": 128}))
+    config, _, _ = resolve_options("cpu", SHAPES, {"LOUVER_PROFILE": path, "LOUVER_CONFIG": str(cfg)}, DEVICE)
+    assert (config.policy, config.page_size, config.grid_bits) == ("budget", 128, 8)
+
+
+def test_a_study_under_another_policy_becomes_a_section_of_the_device_profile():
+    from louver_sgl.profiles.format import merge_tuned
+
+    certified = Profile.from_dict(profile_dict())
+    budget_shapes = {**profile_dict()["shapes"], "policy": "budget", "eps": 1e-3}
+    budget = Profile.from_dict(profile_dict(config={"grid_bits": 8}, launch={"chunk_pages": 64}, shapes=budget_shapes))
+    merged, done = merge_tuned(certified, budget)
+    assert "'budget' section" in done and merged.config == certified.config
+    assert merged.policies["budget"]["config"] == {"grid_bits": 8}
+    assert merged.policies["budget"]["measured"]["eps"] == 1e-3
+    # tuned under certified again: the main values are replaced, the budget section stays
+    again = Profile.from_dict(profile_dict(config={"page_size": 64}))
+    merged2, done = merge_tuned(merged, again)
+    assert merged2.config == {"page_size": 64} and "budget" in merged2.policies and "kept" in done
+    # another device's or shapes' profile at the path is replaced whole
+    other = Profile.from_dict(profile_dict(device_name="Other CPU avx2"))
+    assert merge_tuned(other, budget)[0] is budget
+    assert merge_tuned(None, budget)[0] is budget
+
+
+def test_a_profile_without_sections_writes_none():
+    assert "policies" not in Profile.from_dict(profile_dict()).to_dict()
+
+
 def test_corrupt_file_is_rejected(tmp_path):
     with pytest.raises(ProfileError, match="cannot read a JSON object"):
         Profile.load(write(tmp_path, '{"target": "cpu", '))
@@ -156,6 +218,14 @@ def test_another_dtype_of_this_device_keeps_its_layout_and_takes_the_generic_dty
     for knob in DTYPE_DEPENDENT:
         assert getattr(config, knob) == generic.config[knob]
         assert f"{knob}={generic.config[knob]}" in selection.message
+    # a policy section's dtype-dependent knobs were tuned in the other dtype too: the generic ones win
+    budget = {"config": {"grid_bits": 8, "min_sparse_tokens": 1024, "dense_fallback_fraction": 0.9}}
+    write(tmp_path, profile_dict(config={"page_size": 32, "grid_bits": 4}, policies={"budget": budget}))
+    env = {**search(tmp_path), "LOUVER_POLICY": "budget"}
+    config, _, _ = resolve_options("cpu", dataclasses.replace(SHAPES, kv_dtype="float32"), env, DEVICE)
+    assert config.grid_bits == 8
+    for knob in DTYPE_DEPENDENT:
+        assert getattr(config, knob) == generic.config[knob]
 
 
 def test_a_device_without_a_profile_runs_the_generic_profile_of_its_isa(tmp_path):

@@ -155,6 +155,24 @@ def test_export_writes_a_valid_profile(tmp_path, capsys):
     assert json.loads(out.read_text())["measured"]["trials"]["complete"] == 18
 
 
+def test_export_under_another_policy_adds_a_section(tmp_path, capsys):
+    """A budget study exported where the device's certified profile lies becomes its budget
+    section; ``--replace`` writes the budget profile whole instead."""
+    tune(tmp_path, sampler="grid", name="c")
+    tune(tmp_path, sampler="grid", name="b", settings=TuneSettings(**{**SETTINGS.__dict__, "policy": "budget"}))
+    out, db = tmp_path / "p.json", f"sqlite:///{tmp_path}/t.db"
+    export = ["export", "--storage", db, "--out", str(out), "--confirm-top", "0"]
+    assert cli_main([*export, "--study-name", "c"]) == 0
+    assert cli_main([*export, "--study-name", "b"]) == 0
+    assert "'budget' section" in capsys.readouterr().out
+    merged = Profile.load(out)
+    assert merged.shapes.policy == "certified" and set(merged.policies) == {"budget"}
+    assert merged.policies["budget"]["measured"]["study_name"] == "b"
+    assert cli_main([*export, "--study-name", "b", "--replace"]) == 0
+    replaced = Profile.load(out)
+    assert replaced.shapes.policy == "budget" and not replaced.policies
+
+
 def test_check_step_catches_false_negatives(monkeypatch):
     """A broken index (token bounds of -inf) misses keys above T: the validator must say so."""
     config = LouverConfig(eps=1e-3)

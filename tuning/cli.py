@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from louver_sgl.profiles import Profile, ProfileError, find_profiles, profile_key
+from louver_sgl.profiles.format import merge_tuned
 from louver_sgl.profiles.select import profile_file_name
 from louver_sgl.settings import Environment
 
@@ -66,6 +67,7 @@ class Tune:
                                                        "the user profile directory the backend searches)")
         _report_args(p)
         _confirm_args(p, QUICK_CONFIRM)
+        _replace_arg(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
         started = time.monotonic()
@@ -128,6 +130,7 @@ class Export:
         p.add_argument("--out", help="exact output file (overrides --out-dir)")
         _report_args(p)
         _confirm_args(p)
+        _replace_arg(p)
 
     def take_action(self, a: argparse.Namespace) -> int:
         study = open_study(a.storage, _study_name(a), create=False)
@@ -188,6 +191,12 @@ def _confirm_args(p: argparse.ArgumentParser, quick: tuple[int, int] | None = No
     p.add_argument("--confirm-rounds", type=int, help=f"(default 3{'; --quick ' + str(quick[1]) if quick else ''})")
 
 
+def _replace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replace", action="store_true",
+                   help="overwrite the device's profile file whole; by default a study under another policy than "
+                        "the file's becomes that policy's section of it (docs/tuning.md, \"Per-policy sections\")")
+
+
 def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespace) -> None:
     launch_names = set(target.launch_space())
     confirmation = None
@@ -200,7 +209,16 @@ def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespac
         confirmation = confirm_best(study, target, launch_names, top, rounds)
     profile = study_profile(study, launch_names, confirmation)
     name = profile_file_name(profile_key(profile.target, profile.device_name), profile.shapes.kv_dtype)
-    path = profile.write(out or out_dir / name)
+    path = Path(out or out_dir / name)
+    existing = None
+    if path.is_file() and not getattr(a, "replace", False):
+        try:
+            existing = Profile.load(path)
+        except ProfileError as exc:
+            print(f"[louver-tune] {path}: replacing an unreadable profile ({exc})")
+    profile, done = merge_tuned(existing, profile)
+    path = profile.write(path)
+    print(f"[louver-tune] {path}: {done}")
     stem = (Path(a.report_dir) / path.stem) if a.report_dir else path.with_suffix("")
     stem.parent.mkdir(parents=True, exist_ok=True)
     plots = write_plots(study, stem)

@@ -42,7 +42,7 @@ def nearest_seed(target, settings: TuneSettings, trace_meta: Mapping[str, Any]) 
                     settings.kv_dtype)
     selection = select_profile(target.name, shapes, louver_sgl.__version__)
     base = LouverConfig()
-    profile = selection.profile
+    profile = selection.profile.for_policy(settings.policy) if selection.profile else None  # as a server of it runs
     config = dict(profile.config) if profile else {}
     point = {name: config.get(name, getattr(base, name)) for name in
              ("page_size", "grid_bits", "sink_pages", "recent_pages", *DTYPE_DEPENDENT)}

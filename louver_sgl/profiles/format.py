@@ -8,7 +8,13 @@ One JSON object per device (see ``docs/tuning.md``)::
      "launch": {launch parameter: value},         # ServingOptions fields of the target's kernels
      "shapes": {"head_dim", "num_q_heads", "num_kv_heads", "kv_dtype",
                 "context_lengths", "batch_sizes", "policy", "eps"},
-     "measured": {...}}                           # defaults vs tuned latency, trials, date, command
+     "measured": {...},                           # defaults vs tuned latency, trials, date, command
+     "policies": {policy: {"config", "launch", "measured"}}}   # optional: tuned under another policy
+
+``shapes.policy`` names the accuracy policy the main ``config`` and ``launch`` were tuned under. A
+``policies`` section holds what ``louver-tune`` chose under another policy (its ``measured`` says
+which eps); a server whose policy (``LOUVER_POLICY``) has a section uses the section's values over
+the main ones (``for_policy``), since budget and certified steps may prefer other index designs.
 
 A tuned profile is only valid for the louver version and the attention shapes (head_dim, query and
 KV heads per rank, KV dtype) it was tuned for; ``check_compatible`` says why it does not apply.
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import LouverConfig
+from ..config import POLICIES, LouverConfig
 from .device import TARGETS
 
 # The user's accuracy contract: a profile tunes speed, never how much attention mass may be dropped.
@@ -96,6 +102,7 @@ class Profile:
     path: str | None = None
     isa: str | None = None
     generic: bool = False
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f" ({self.path})" if self.path else ""
@@ -109,10 +116,22 @@ class Profile:
             object.__setattr__(self, "isa", self.device_name.split()[-1].lower())
         check_config_overrides(self.config, where)
         check_launch(self.launch, where)
+        check_policy_sections(self.policies, where)
+
+    def for_policy(self, policy: str) -> "Profile":
+        """This profile as a server of ``policy`` uses it: the main values, with those of the
+        ``policies`` section tuned under ``policy`` over them (if it has one)."""
+        section = self.policies.get(policy)
+        if section is None:
+            return self
+        return dataclasses.replace(self, config={**self.config, **section.get("config", {})},
+                                   launch={**self.launch, **section.get("launch", {})})
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("path")
+        if not self.policies:
+            data.pop("policies")
         if not self.generic:
             data.pop("generic")
             data["shapes"]["context_lengths"] = list(self.shapes.context_lengths)
@@ -120,6 +139,11 @@ class Profile:
         else:
             data.pop("shapes")
         return data
+
+    @property
+    def shapes_policy(self) -> str | None:
+        """The policy the main values were tuned under (None: generic)."""
+        return None if self.shapes is None else self.shapes.policy
 
     @property
     def kv_dtype(self) -> str | None:
@@ -140,7 +164,7 @@ class Profile:
             raise ProfileError(f"profile{where}: generic must be true or false, got {generic!r}")
         required = ("target", "device_name", "louver_version", "config", "launch") + (() if generic else ("shapes",))
         missing = [k for k in required if k not in data]
-        unknown = sorted(set(data) - set(required) - {"measured", "isa", "generic"})
+        unknown = sorted(set(data) - set(required) - {"measured", "isa", "generic", "policies"})
         if missing or unknown:
             raise ProfileError(f"profile{where}: missing keys {missing}, unknown keys {unknown}")
         if not isinstance(data["config"], dict) or not isinstance(data["launch"], dict) \
@@ -149,9 +173,12 @@ class Profile:
         isa = data.get("isa")
         if isa is not None and (not isinstance(isa, str) or not isa):
             raise ProfileError(f"profile{where}: isa must be a non-empty string, got {isa!r}")
+        policies = data.get("policies", {})
+        if not isinstance(policies, dict):
+            raise ProfileError(f"profile{where}: policies must be a JSON object, got {type(policies).__name__}")
         return cls(data["target"], data["device_name"], data["louver_version"], dict(data["config"]),
                    dict(data["launch"]), None if generic else _shapes(data["shapes"], where),
-                   dict(data.get("measured", {})), path, isa, generic)
+                   dict(data.get("measured", {})), path, isa, generic, policies)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -190,6 +217,29 @@ class Profile:
         return dataclasses.replace(self, config={**self.config, **config}, launch={**self.launch, **launch})
 
 
+def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]:
+    """Where ``louver-tune`` exports ``tuned`` over the profile ``existing`` at the same path: a
+    profile of the same device, version and attention shapes tuned under another policy keeps its
+    main values and takes ``tuned``'s as the section of ``tuned``'s policy; otherwise ``tuned``
+    replaces it (keeping its other policies' sections where they fit). Returns the profile to write
+    and what was done, in words."""
+    policy = tuned.shapes_policy
+    same = (existing is not None and not existing.generic and tuned.shapes is not None
+            and not existing.version_problems(tuned.target, tuned.louver_version)
+            and existing.device_name == tuned.device_name and not existing.shapes.mismatches(tuned.shapes))
+    if not same:
+        return tuned, "written (no profile of this device and shapes there)"
+    if existing.shapes_policy != policy:
+        section = {"config": dict(tuned.config), "launch": dict(tuned.launch),
+                   "measured": {**tuned.measured, "eps": tuned.shapes.eps}}
+        merged = dataclasses.replace(existing, policies={**existing.policies, policy: section}, path=None)
+        return merged, (f"added as its {policy!r} section (its main values were tuned under "
+                        f"{existing.shapes_policy!r} and stay)")
+    kept = {k: v for k, v in existing.policies.items() if k != policy}
+    return dataclasses.replace(tuned, policies=kept), (
+        f"main values replaced (tuned under {policy!r} again)" + (f"; sections {sorted(kept)} kept" if kept else ""))
+
+
 def _shapes(data: Mapping[str, Any], where: str) -> Shapes:
     try:
         return Shapes(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
@@ -211,6 +261,24 @@ def check_config_overrides(config: Mapping[str, Any], where: str = "") -> None:
         LouverConfig(**config)
     except (TypeError, ValueError) as exc:
         raise ProfileError(f"profile{where}: invalid config ({exc})") from exc
+
+
+SECTION_KEYS = ("config", "launch", "measured")
+
+
+def check_policy_sections(policies: Mapping[str, Any], where: str = "") -> None:
+    """A profile's ``policies``: per accuracy policy an object of ``config`` and ``launch``
+    values (checked as the main ones) and what was ``measured``."""
+    for policy, section in policies.items():
+        at = f"{where} (policies.{policy})"
+        if policy not in POLICIES:
+            raise ProfileError(f"profile{where}: policies has a section for {policy!r}; policies are {list(POLICIES)}")
+        if not isinstance(section, Mapping) or set(section) - set(SECTION_KEYS):
+            raise ProfileError(f"profile{at}: a policy section is an object with keys among {list(SECTION_KEYS)}")
+        if not all(isinstance(section.get(k, {}), Mapping) for k in SECTION_KEYS):
+            raise ProfileError(f"profile{at}: config, launch and measured must be JSON objects")
+        check_config_overrides(section.get("config", {}), at)
+        check_launch(section.get("launch", {}), at)
 
 
 STRING_LAUNCH = ("cuda_decode",)  # launch values that are names

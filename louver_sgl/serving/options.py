@@ -2,7 +2,8 @@
 
 SGLang has no plugin CLI flags, and environment variables reach every scheduler subprocess, so
 options come from (lowest to highest priority): the defaults, the tuned profile of the device
-(``louver_sgl.profiles``: its ``config`` and ``launch`` values), the JSON file named by
+(``louver_sgl.profiles``: its ``config`` and ``launch`` values, with those of its section for the
+served policy over them when it has one), the JSON file named by
 ``LOUVER_CONFIG``, then one ``LOUVER_<OPTION>`` variable per option (``LOUVER_EPS=1e-3``,
 ``LOUVER_POLICY=budget``, ...). Every ``LouverConfig`` field is an option, plus the serving
 options of ``ServingOptions``. Invalid values fail at startup with a message naming the option.
@@ -28,11 +29,13 @@ def load_options(environ: Mapping[str, str] | None = None,
                  profile: Profile | None = None) -> tuple[LouverConfig, ServingOptions]:
     """Resolve the backend options; raises ``ValueError`` naming the bad option or file."""
     env = Environment.read(environ)
-    values: dict[str, Any] = profile_values(profile) if profile is not None else {}
-    if env.config_file:
-        values.update(_read_json(Path(env.config_file)))
+    user: dict[str, Any] = _read_json(Path(env.config_file)) if env.config_file else {}
     for name, raw in env.options.items():
-        values[name] = _parse(name, raw, OPTION_FIELDS[name].default)
+        user[name] = _parse(name, raw, OPTION_FIELDS[name].default)
+    values: dict[str, Any] = {}
+    if profile is not None:  # the section tuned under the served policy, if the profile has one
+        values = profile_values(profile.for_policy(served_policy(user)))
+    values.update(user)
     config_keys = {f.name for f in dataclasses.fields(LouverConfig)}
     serving_keys = {f.name for f in dataclasses.fields(ServingOptions)}
     unknown = sorted(set(values) - config_keys - serving_keys)
@@ -60,14 +63,26 @@ def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | No
             check_values(selection.profile)
         except (TypeError, ValueError) as exc:
             raise ProfileError(f"{PROFILE_ENV}: {exc} ({selection.message})") from exc
-    return (*load_options(environ, selection.profile), selection)
+    config, serving = load_options(environ, selection.profile)
+    if selection.profile is not None and config.policy in selection.profile.policies:
+        selection = dataclasses.replace(selection, message=(
+            f"{selection.message}; with its {config.policy!r} section (tuned under policy {config.policy!r} "
+            f"where the main values were tuned under {selection.profile.shapes_policy!r})"))
+    return config, serving, selection
+
+
+def served_policy(user: Mapping[str, Any]) -> str:
+    """The accuracy policy the server runs by default: the user's, else ``LouverConfig``'s."""
+    return str(user.get("policy", LouverConfig.policy))
 
 
 def check_values(profile: Profile) -> None:
-    """Raise ``ValueError`` unless ``profile``'s values make a valid config and serving options."""
-    values = profile_values(profile)
-    LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
-    ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
+    """Raise ``ValueError`` unless ``profile``'s values (main, and under each policy section) make
+    a valid config and serving options."""
+    for policy in (None, *profile.policies):
+        values = profile_values(profile if policy is None else profile.for_policy(policy))
+        LouverConfig(**{k: v for k, v in values.items() if k in _CONFIG_KEYS})
+        ServingOptions(**{k: v for k, v in values.items() if k not in _CONFIG_KEYS})
 
 
 def profile_values(profile: Profile) -> dict[str, Any]:
