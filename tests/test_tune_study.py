@@ -159,7 +159,8 @@ def test_export_under_another_policy_adds_a_section(tmp_path, capsys):
     """A budget study exported where the device's certified profile lies becomes its budget
     section; ``--replace`` writes the budget profile whole instead."""
     tune(tmp_path, sampler="grid", name="c")
-    tune(tmp_path, sampler="grid", name="b", settings=TuneSettings(**{**SETTINGS.__dict__, "policy": "budget"}))
+    tune(tmp_path, sampler="grid", name="b",
+         settings=TuneSettings(**{**SETTINGS.__dict__, "policy": "budget", "budget": 0.05}))
     out, db = tmp_path / "p.json", f"sqlite:///{tmp_path}/t.db"
     export = ["export", "--storage", db, "--out", str(out), "--confirm-top", "0"]
     assert cli_main([*export, "--study-name", "c"]) == 0
@@ -168,6 +169,8 @@ def test_export_under_another_policy_adds_a_section(tmp_path, capsys):
     merged = Profile.load(out)
     assert merged.shapes.policy == "certified" and set(merged.policies) == {"budget"}
     assert merged.policies["budget"]["measured"]["study_name"] == "b"
+    assert merged.policies["budget"]["measured"]["settings"]["budget"] == 0.05  # the fraction it was tuned at
+    assert "budget" not in merged.measured["settings"]  # a certified study's objective has none
     assert cli_main([*export, "--study-name", "b", "--replace"]) == 0
     replaced = Profile.load(out)
     assert replaced.shapes.policy == "budget" and not replaced.policies

@@ -51,6 +51,8 @@ class Tune:
         p.add_argument("--validation-text", default=d.validation_text)
         p.add_argument("--policy", default=d.policy, choices=["certified", "budget", "fixed", "dense"])
         p.add_argument("--eps", type=float, default=d.eps)
+        p.add_argument("--budget", type=float, default=d.budget, help="the budget policy's fraction of keys "
+                                                                       f"(default {d.budget:g}, LouverConfig's)")
         p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["float16", "bfloat16", "float32"])
         p.add_argument("--space", choices=["full", "small"], help="default full (--quick: its own narrowed space)")
         p.add_argument("--repeats", type=int, help=f"timed runs per point (default {d.repeats}; --quick {q.repeats})")
@@ -75,7 +77,7 @@ class Tune:
         pick = lambda value, default: default if value is None else value  # noqa: E731
         settings = TuneSettings(tuple(pick(a.cases, base.cases)), a.text, tuple(a.layers), tuple(a.validation),
                                 a.validation_text, a.policy, a.eps, a.kv_dtype, pick(a.space, base.space),
-                                pick(a.repeats, base.repeats), a.warmup)
+                                pick(a.repeats, base.repeats), a.warmup, a.budget)
         run = RunOptions(pick(a.trials, run_base.trials), pick(a.timeout, run_base.timeout), a.sampler, a.seed,
                          pick(a.prune_ratio, run_base.prune_ratio))
         target = get_target(a.target, settings.repeats, settings.warmup)

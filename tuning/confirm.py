@@ -16,8 +16,6 @@ import optuna
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from louver_sgl import LouverConfig
-
 from .space import build_space
 from .study import BASELINE_ROLES, TraceLoader, TuneSettings, default_trace_loader, make_objective
 from .target import Target, TimedPoint
@@ -29,7 +27,7 @@ def time_points(target: Target, settings: TuneSettings, points: Mapping[str, Poi
                 loader: TraceLoader = default_trace_loader) -> dict[str, dict]:
     """Per point: case latencies (median over rounds of the mean over layers) and their geomean (ms)."""
     objective = make_objective(target, settings, loader, None, build_space(target.launch_space(), 1 << 30))
-    base = LouverConfig(policy=settings.policy, eps=settings.eps)
+    base = settings.base_config()
     ms = {name: {g.name: [] for g in objective.groups} for name in points}
     jobs = [(g, name) for _ in range(rounds) for g in objective.groups for name in points]
     for group, name in tqdm(jobs, desc="re-timing"):

@@ -42,9 +42,19 @@ class TuneSettings:
     space: str = "full"
     repeats: int = 5
     warmup: int = 1
+    budget: float = LouverConfig.budget  # the budget policy's fraction of keys
 
     def objective_key(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The stored objective; ``budget`` only where the policy reads it (studies of the other
+        policies resume as before it existed)."""
+        key = dataclasses.asdict(self)
+        if self.policy != "budget":
+            key.pop("budget")
+        return key
+
+    def base_config(self) -> LouverConfig:
+        """The accuracy contract trials run under."""
+        return LouverConfig(policy=self.policy, eps=self.eps, budget=self.budget)
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ def default_study_name(target: Target, shapes: Shapes, settings: TuneSettings) -
 
 def make_objective(target: Target, settings: TuneSettings, loader: TraceLoader, timer: Timer | None,
                    space: SearchSpace) -> Objective:
-    base = LouverConfig(policy=settings.policy, eps=settings.eps)
+    base = settings.base_config()
     groups = []
     for spec in settings.cases:
         length, batch = parse_case(spec)

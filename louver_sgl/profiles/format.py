@@ -231,7 +231,7 @@ def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]
         return tuned, "written (no profile of this device and shapes there)"
     if existing.shapes_policy != policy:
         section = {"config": dict(tuned.config), "launch": dict(tuned.launch),
-                   "measured": {**tuned.measured, "eps": tuned.shapes.eps}}
+                   "measured": {**tuned.measured, "eps": tuned.shapes.eps}}  # settings hold a budget's fraction
         merged = dataclasses.replace(existing, policies={**existing.policies, policy: section}, path=None)
         return merged, (f"added as its {policy!r} section (its main values were tuned under "
                         f"{existing.shapes_policy!r} and stay)")
