@@ -25,6 +25,19 @@ def markdown(rows: list[dict], traces: list[str]) -> str:
     return "\n".join(lines)
 
 
+def parts_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.05") -> str:
+    """Where each design's bytes go under ``policy``: the mean over ``traces`` of each part."""
+    from benchmarks.studies.index_bytes import PARTS
+
+    designs = list(dict.fromkeys(r["design"] for r in rows if "bytes_by_part" in r))
+    lines = [f"| design ({policy}) | " + " | ".join(PARTS) + " | total |", "|" + "---|" * (len(PARTS) + 2)]
+    for d in designs:
+        picked = [r for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
+        mean = {k: sum(r["bytes_by_part"][k] for r in picked) / len(picked) for k in PARTS}
+        lines.append(f"| `{d}` | " + " | ".join(f"{mean[k]:.3f}" for k in PARTS) + f" | {sum(mean.values()):.3f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], traces: list[str], out: Path) -> None:
     import matplotlib
 
@@ -38,12 +51,13 @@ def plot(rows: list[dict], traces: list[str], out: Path) -> None:
         for i, d in enumerate(designs):
             xs = [r["kept_over_oracle"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
             ys = [r["bytes_fraction"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
-            ax.scatter(xs, ys, label=d, color=colors(i), marker="*" if d.startswith("split") else "o", s=60)
+            marker = ("*" if d.startswith("split") else "o") if i < 20 else ("P" if d.startswith("split") else "s")
+            ax.scatter(xs, ys, label=d, color=colors(i % 20), marker=marker, s=60)
         ax.set_title(policy)
         ax.set_xlabel("union candidates / oracle's")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("bytes per step / dense bf16 K+V")
-    axes[-1].legend(fontsize=7)
+    axes[-1].legend(fontsize=6, ncol=2)
     fig.suptitle("Index designs on " + ", ".join(traces) + " (low-rank off the chart: 6-11x the oracle)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -57,6 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = json.loads(Path(args.results).read_text())["rows"]
     print(markdown(rows, args.traces))
+    print()
+    print(parts_markdown(rows, args.traces))
     if args.plot:
         plot(rows, args.traces, Path(args.plot))
 
