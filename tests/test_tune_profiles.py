@@ -128,6 +128,26 @@ def test_a_study_under_another_policy_becomes_a_section_of_the_device_profile():
     assert merge_tuned(None, budget)[0] is budget
 
 
+def test_a_sections_certified_only_knobs_apply_to_certified_servers_only(tmp_path):
+    """How a certified step finds T is not a budget study's to set: a budget section's values of
+    those knobs never apply, and a budget study exported as a section leaves them out."""
+    from louver_sgl.profiles.format import CERTIFIED_ONLY, merge_tuned
+
+    assert {"certified_passes", "certified_rule", "one_scan"} <= set(CERTIFIED_ONLY)
+    section = {"config": {"grid_bits": 8, "certified_passes": 1}, "launch": {"one_scan": False}}
+    profile = Profile.from_dict(profile_dict(policies={"budget": section, "certified": section}))
+    budget = profile.for_policy("budget")
+    assert budget.config["grid_bits"] == 8 and "certified_passes" not in budget.config
+    assert "one_scan" not in budget.launch
+    assert profile.for_policy("certified").config["certified_passes"] == 1
+    budget_shapes = {**profile_dict()["shapes"], "policy": "budget"}
+    tuned = Profile.from_dict(profile_dict(config={"grid_bits": 8, "certified_rule": "histogram"},
+                                           launch={"one_scan": False, "chunk_pages": 64}, shapes=budget_shapes))
+    merged, _ = merge_tuned(Profile.from_dict(profile_dict()), tuned)
+    assert merged.policies["budget"]["config"] == {"grid_bits": 8}
+    assert merged.policies["budget"]["launch"] == {"chunk_pages": 64}
+
+
 def test_a_profile_without_sections_writes_none():
     assert "policies" not in Profile.from_dict(profile_dict()).to_dict()
 

@@ -120,6 +120,19 @@ def test_resume_continues_the_same_study(tmp_path):
         tune(tmp_path, sampler="tpe", trials=1, name="r", settings=TuneSettings(**{**SETTINGS.__dict__, "eps": 1e-2}))
 
 
+def test_a_budget_study_holds_the_certified_only_knobs():
+    from louver_tuning.space import policy_space
+
+    target = CpuTarget()
+    space = build_space(target.launch_space(), 1 << 15, "full")
+    held = policy_space(space, "budget", target.default_launch())
+    for name in ("certified_passes", "certified_rule", "one_scan"):
+        assert len(held.distributions[name].choices) == 1 < len(space.distributions[name].choices)
+    assert held.held({"certified_passes": 1, "one_scan": False, "page_size": 32}) == {
+        "certified_passes": LouverConfig().certified_passes, "one_scan": True, "page_size": 32}
+    assert policy_space(space, "certified", target.default_launch()) is space
+
+
 def test_journal_storage(tmp_path):
     target = CpuTarget(repeats=1, warmup=0)
     space = build_space(target.launch_space(), LENGTH, "small").restrict({"num_threads": [1], "page_size": [64]})
@@ -168,6 +181,8 @@ def test_export_under_another_policy_adds_a_section(tmp_path, capsys):
     assert "'budget' section" in capsys.readouterr().out
     merged = Profile.load(out)
     assert merged.shapes.policy == "certified" and set(merged.policies) == {"budget"}
+    assert not {"certified_passes", "certified_rule", "one_scan"} & {*merged.policies["budget"]["config"],
+                                                                    *merged.policies["budget"]["launch"]}
     assert merged.policies["budget"]["measured"]["study_name"] == "b"
     assert merged.policies["budget"]["measured"]["settings"]["budget"] == 0.05  # the fraction it was tuned at
     assert "budget" not in merged.measured["settings"]  # a certified study's objective has none

@@ -16,6 +16,7 @@ from optuna.distributions import (BaseDistribution, CategoricalDistribution, Flo
                                   IntDistribution)
 
 from louver_sgl import LouverConfig
+from louver_sgl.profiles.format import CERTIFIED_ONLY
 
 # parameter -> (parent parameter, value the parent must have for this one to exist)
 CONDITIONS = {
@@ -83,6 +84,13 @@ class SearchSpace:
         dists.update({k: CategoricalDistribution(list(v)) for k, v in choices.items()})
         return SearchSpace(dists, self.launch_names, self.conditions)
 
+    def held(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with each parameter this space holds at one value set to it (a seed from a
+        profile tuned under another policy may name other values of the knobs a study holds)."""
+        single = {k: d.choices[0] for k, d in self.distributions.items()
+                  if isinstance(d, CategoricalDistribution) and len(d.choices) == 1}
+        return {k: single.get(k, v) for k, v in params.items()}
+
     def grid(self) -> dict[str, list]:
         """Values per parameter for ``GridSampler``: every parameter must be categorical, and a
         conditional parameter is included only where its parent is fixed to the enabling value."""
@@ -130,6 +138,18 @@ def build_space(launch_space: Mapping[str, BaseDistribution], max_context: int, 
         return space.restrict({"family": ["grid"], "page_size": [32, 64, 128], "grid_bits": [4, 8],
                                **fixed, **launch})
     raise ValueError(f"space preset must be 'full' or 'small', got {preset!r}")
+
+
+def policy_space(space: SearchSpace, policy: str, default_launch: Mapping[str, Any]) -> SearchSpace:
+    """``space`` as a study under ``policy`` searches it: the knobs only certified steps read
+    (``CERTIFIED_ONLY``) are held at their defaults under any other policy, where they change
+    nothing but would cost trials."""
+    if policy == "certified":
+        return space
+    base = LouverConfig()
+    fixed = {k: [default_launch[k] if k in default_launch else getattr(base, k)]
+             for k in CERTIFIED_ONLY if k in space.distributions}
+    return space.restrict(fixed)
 
 
 def suggest_from(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:

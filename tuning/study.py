@@ -18,7 +18,7 @@ from louver_eval.data.capture import ensure_traces, load_trace
 from louver_sgl.profiles import Profile, Shapes
 
 from .objective import CaseGroup, Objective, RatioPruner
-from .space import SearchSpace, build_space
+from .space import SearchSpace, build_space, policy_space
 from .storage import open_storage
 from .target import Target, Timer
 from .validate import ConstraintViolation
@@ -124,7 +124,8 @@ def run_tune(target: Target, settings: TuneSettings, run: RunOptions, storage_ur
     first = loader(settings.text, parse_case(settings.cases[0])[0])
     shapes = shapes_of(settings, first)
     max_context = max(parse_case(c)[0] for c in settings.cases)
-    space = space or build_space(target.launch_space(), max_context, settings.space)
+    space = policy_space(space or build_space(target.launch_space(), max_context, settings.space), settings.policy,
+                         target.default_launch())
     fixed = getattr(target, "fixed_config", None)  # knobs a target supports one value of
     if fixed:
         space = space.restrict({k: v for k, v in fixed.items() if k in space.distributions})
@@ -133,7 +134,7 @@ def run_tune(target: Target, settings: TuneSettings, run: RunOptions, storage_ur
     _check_or_record(study, target, settings, shapes)
     if not study.trials and run.sampler != "grid":
         for params, role in seeds if seeds is not None else [(space.defaults(target.default_launch()), "defaults")]:
-            study.enqueue_trial(params, user_attrs={"role": role})
+            study.enqueue_trial(space.held(params), user_attrs={"role": role})
     objective = make_objective(target, settings, loader, timer, space)
     study.optimize(objective, n_trials=run.trials, timeout=run.timeout, catch=(ConstraintViolation,),
                    show_progress_bar=run.progress)

@@ -42,6 +42,9 @@ ACCURACY_KNOBS = ("policy", "eps", "budget", "fixed_threshold", "value_gate")
 # kernels do not: their codes and page terms are the same whatever the dtype of the keys.
 DTYPE_DEPENDENT = ("min_sparse_tokens", "dense_fallback_fraction")
 SHAPE_KEYS = ("head_dim", "num_q_heads", "num_kv_heads", "kv_dtype")
+# Knobs only a certified step reads (how it finds T): a study under another policy cannot tune them,
+# so its policy section never sets them (a server's certified requests keep the main values').
+CERTIFIED_ONLY = ("certified_passes", "certified_rule", "one_scan")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -124,8 +127,9 @@ class Profile:
         section = self.policies.get(policy)
         if section is None:
             return self
-        return dataclasses.replace(self, config={**self.config, **section.get("config", {})},
-                                   launch={**self.launch, **section.get("launch", {})})
+        own = lambda values: {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}  # noqa: E731
+        return dataclasses.replace(self, config={**self.config, **own(section.get("config", {}))},
+                                   launch={**self.launch, **own(section.get("launch", {}))})
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -220,7 +224,8 @@ class Profile:
 def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]:
     """Where ``louver-tune`` exports ``tuned`` over the profile ``existing`` at the same path: a
     profile of the same device, version and attention shapes tuned under another policy keeps its
-    main values and takes ``tuned``'s as the section of ``tuned``'s policy; otherwise ``tuned``
+    main values and takes ``tuned``'s as the section of ``tuned``'s policy (less ``CERTIFIED_ONLY``
+    for another policy than certified); otherwise ``tuned``
     replaces it (keeping its other policies' sections where they fit). Returns the profile to write
     and what was done, in words."""
     policy = tuned.shapes_policy
@@ -230,7 +235,8 @@ def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]
     if not same:
         return tuned, "written (no profile of this device and shapes there)"
     if existing.shapes_policy != policy:
-        section = {"config": dict(tuned.config), "launch": dict(tuned.launch),
+        own = lambda values: {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}  # noqa: E731
+        section = {"config": own(tuned.config), "launch": own(tuned.launch),
                    "measured": {**tuned.measured, "eps": tuned.shapes.eps}}  # settings hold a budget's fraction
         merged = dataclasses.replace(existing, policies={**existing.policies, policy: section}, path=None)
         return merged, (f"added as its {policy!r} section (its main values were tuned under "
