@@ -48,7 +48,7 @@ class TuneSettings:
         """The stored objective; ``budget`` only where the policy reads it (studies of the other
         policies resume as before it existed)."""
         key = dataclasses.asdict(self)
-        if self.policy != "budget":
+        if not self.base_config().threshold.budget_rule:
             key.pop("budget")
         return key
 

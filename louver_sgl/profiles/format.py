@@ -121,10 +121,14 @@ class Profile:
         check_launch(self.launch, where)
         check_policy_sections(self.policies, where)
 
+    def section(self, policy: str) -> Mapping[str, Any] | None:
+        """The section tuned under ``policy``, if this profile has one."""
+        return self.policies.get(policy)
+
     def for_policy(self, policy: str) -> "Profile":
         """This profile as a server of ``policy`` uses it: the main values, with those of the
         ``policies`` section tuned under ``policy`` over them (if it has one)."""
-        section = self.policies.get(policy)
+        section = self.section(policy)
         if section is None:
             return self
         own = lambda values: {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}  # noqa: E731

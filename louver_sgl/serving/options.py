@@ -64,7 +64,7 @@ def resolve_options(target: str, shapes: Shapes, environ: Mapping[str, str] | No
         except (TypeError, ValueError) as exc:
             raise ProfileError(f"{PROFILE_ENV}: {exc} ({selection.message})") from exc
     config, serving = load_options(environ, selection.profile)
-    if selection.profile is not None and config.policy in selection.profile.policies:
+    if selection.profile is not None and selection.profile.section(config.policy) is not None:
         selection = dataclasses.replace(selection, message=(
             f"{selection.message}; with its {config.policy!r} section (tuned under policy {config.policy!r} "
             f"where the main values were tuned under {selection.profile.shapes_policy!r})"))
