@@ -179,6 +179,8 @@ def test_export_under_another_policy_adds_a_section(tmp_path, capsys):
     assert cli_main([*export, "--study-name", "c"]) == 0
     assert cli_main([*export, "--study-name", "b"]) == 0
     assert "'budget' section" in capsys.readouterr().out
+    assert (tmp_path / "p.budget.results.txt").read_text().strip()  # beside the certified study's reports
+    assert (tmp_path / "p.results.txt").is_file()
     merged = Profile.load(out)
     assert merged.shapes.policy == "certified" and set(merged.policies) == {"budget"}
     assert not {"certified_passes", "certified_rule", "one_scan"} & {*merged.policies["budget"]["config"],

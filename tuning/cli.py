@@ -209,25 +209,33 @@ def _export(study, target, out_dir: Path, out: Path | None, a: argparse.Namespac
         from .confirm import confirm_best
 
         confirmation = confirm_best(study, target, launch_names, top, rounds)
-    profile = study_profile(study, launch_names, confirmation)
-    name = profile_file_name(profile_key(profile.target, profile.device_name), profile.shapes.kv_dtype)
-    path = Path(out or out_dir / name)
+    tuned = study_profile(study, launch_names, confirmation)
+    name = profile_file_name(profile_key(tuned.target, tuned.device_name), tuned.shapes.kv_dtype)
+    path, section = _write_merged(tuned, Path(out or out_dir / name), getattr(a, "replace", False))
+    stem = (Path(a.report_dir) / path.stem) if a.report_dir else path.with_suffix("")
+    if section:  # a section's reports beside, not over, those of the main values' study
+        stem = stem.with_name(f"{stem.name}.{section}")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(study, stem)
+    stem.with_name(stem.name + ".results.txt").write_text(results_table(study, top=20) + "\n")
+    print(f"profile {path}{f' (its {section!r} section)' if section else ''}; plots {[str(p) for p in plots]}")
+    gains = {k: v for k, v in tuned.measured.items() if k.startswith("speedup_vs_")}
+    print(json.dumps({"config": dict(tuned.config), "launch": dict(tuned.launch), **gains}, indent=1))
+
+
+def _write_merged(tuned: Profile, path: Path, replace: bool) -> tuple[Path, str | None]:
+    """Write ``tuned`` to ``path``, as a section of the profile there when it was tuned under
+    another policy (``merge_tuned``); returns the path and the section's policy (None: main values)."""
     existing = None
-    if path.is_file() and not getattr(a, "replace", False):
+    if path.is_file() and not replace:
         try:
             existing = Profile.load(path)
         except ProfileError as exc:
             print(f"[louver-tune] {path}: replacing an unreadable profile ({exc})")
-    profile, done = merge_tuned(existing, profile)
+    profile, done = merge_tuned(existing, tuned)
     path = profile.write(path)
     print(f"[louver-tune] {path}: {done}")
-    stem = (Path(a.report_dir) / path.stem) if a.report_dir else path.with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(study, stem)
-    stem.with_name(stem.name + ".results.txt").write_text(results_table(study, top=20) + "\n")
-    print(f"profile {path}; plots {[str(p) for p in plots]}")
-    gains = {k: v for k, v in profile.measured.items() if k.startswith("speedup_vs_")}
-    print(json.dumps({"config": dict(profile.config), "launch": dict(profile.launch), **gains}, indent=1))
+    return path, (tuned.shapes_policy if profile.shapes_policy != tuned.shapes_policy else None)
 
 
 class Generic:
