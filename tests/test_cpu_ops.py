@@ -344,11 +344,11 @@ def _run_certified(q, plan, store, ref, z_lb, sigma, eps, residual=False):
     return out
 
 
-def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, residual=False):
+def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, residual=False, groups=3):
     from louver_sgl import PageIndexStore
 
     cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
-    h_kv, groups = 2, 3
+    h_kv = 2
     stretch = max(1, page_size // 32)  # large pages: as many indexed pages as at page 32
     k, _, table, lens = make_paged([300 * stretch, 700 * stretch, 129 * stretch], page_size, h_kv, dim, seed=11,
                                    dtype=dtype)
@@ -365,17 +365,19 @@ def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, r
 @pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 16, 64), (4, 32, 128), (8, 8, 64), (2, 16, 64),
                                                 (4, 16, 96), (8, 256, 64)])
 @pytest.mark.parametrize("residual", [False, True], ids=["int8", "residual"])
-def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim, residual):
+def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, page_size, dim, residual, groups=3):
     """The op's token bounds (VNNI 16-token blocks with 4- and 8-bit codes, the per-token path for
     pages of 8, no VNNI for 2 bits and D = 96; with and without residual weights) equal the torch
     int8 bounds up to fp32 rounding, its page bounds the store's, and both are >= every fp64 exact
     score."""
-    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=1e-2, residual=residual)
+    cfg, k, q, plan, store, ex, sigma, out = _certified_case(bits, page_size, dim, eps=1e-2, residual=residual,
+                                                             groups=groups)
     n, h_kv = len(plan.page_ids), 2
-    rows = q.view(3, h_kv, 3, dim)[plan.page_req]
+    rows = q.view(3, h_kv, groups, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     codes = store.page_codes(plan.page_ids)
     limit = OPS.int8_weight_limit(bits=bits)  # 63 for 8-bit codes on AVX2 builds, else 127
+    residual = residual and groups <= 4  # larger groups keep one dot (CpuLaunch.residual_weights)
     want = int8_token_bounds_reference(*bounds.terms, codes, bits, residual, limit).reshape(n, page_size, -1)
     torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
@@ -385,6 +387,15 @@ def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits,
     assert bool((out["pb"].double()[:, None, :] >= exact).all())
     fp32_bounds = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
     assert bool((out["tok"] >= fp32_bounds - 1e-3).all())  # int8 weights only loosen the bound
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("groups", [5, 8])
+def test_large_groups_with_residual_weights(bits, groups):
+    """Groups of 5-8 query heads per KV head ask for residual weights: the kernels keep one integer
+    dot per head there (the dot kernels hold 8 rows), so the bounds are the plain int8 ones, and
+    they enclose every score."""
+    test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits, 16, 64, True, groups)
 
 
 @pytest.mark.parametrize("bits,page_size,dim", [(4, 16, 64), (8, 8, 64), (2, 16, 64)])

@@ -62,11 +62,14 @@ class _Named:
         return self.buffers
 
 
-def baseline_step(ops, pb, store, config, plan, chunk_pages: int):
+def baseline_step(ops, pb, store, config, plan, chunk_pages: int, launch: dict | None = None):
     """The baseline build's LayerStep.run on its own plan side (buffers of its own), through the
-    named boundary this tree's step has (``impl_cpu._layer_step`` / ``impl_cpu._step_plan``)."""
+    named boundary this tree's step has (``impl_cpu._layer_step`` / ``impl_cpu._step_plan``), with
+    the new step's kernel ``launch`` (``CpuDecode._kernel_launch``: one scan or two), so that both
+    builds run the same passes."""
     chunks = page_chunks(plan, chunk_pages)
-    band = (len(plan.page_ids), plan.page_size) if config.threshold.band_pass else None
+    reserve = config.threshold.band_pass or bool((launch or {}).get("one_scan"))
+    band = (len(plan.page_ids), plan.page_size) if reserve else None
     part = _Outputs(plan.batch_size, pb.q.shape[1], pb.k.shape[1], pb.v.shape[2], len(chunks[0]),
                     len(plan.dense_slots), config.sample_size, band=band)
     buffers = part.named()
@@ -79,7 +82,7 @@ def baseline_step(ops, pb, store, config, plan, chunk_pages: int):
             if unknown is None or unknown[1] not in buffers:
                 raise
             buffers.pop(unknown[1])
-    layer = _layer_step(ops, pb.k, pb.v, store, pb.sigma, config)
+    layer = _layer_step(ops, pb.k, pb.v, store, pb.sigma, config, launch)
     return lambda: layer.run(pb.q, step_plan, None)
 
 
@@ -97,7 +100,8 @@ def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str) ->
         decode.run(pb.q, pb.k, pb.v, store, pb.sigma)  # makes the layer and plan sides
         (compiled,) = decode.impl.layers.values()
         side = decode.current_plan.derived[compiled.plan_key]
-        old = baseline_step(old_ops, pb, store, config, decode.current_plan, decode.impl.launch.chunk_pages)
+        old = baseline_step(old_ops, pb, store, config, decode.current_plan, decode.impl.launch.chunk_pages,
+                            decode.impl._kernel_launch)
         fns = {"dense": variants[best], "old": old,
                "new": lambda: compiled.layer.run(pb.q, side[2], None),
                "new_wrapper": lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)}

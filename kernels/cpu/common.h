@@ -771,20 +771,47 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t*
 // Per dword of channels, _mm256_maddubs_epi16 multiplies 8 tokens' codes by the weight quad and adds
 // adjacent pairs into int16, exact for |w| <= 63 (int8_weight_limit: 2·255·63 < 2^15); the pairs
 // widen to int32 at once (two of them could pass 2^15).
-inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+//
+// NH (the weight rows) is a template argument so that the accumulators live in registers (with a
+// run-time count they went through the stack, a load and a store per dword and head). Up to 4
+// rows both 8-token halves share each weight load (2·NH accumulators); more rows take the halves
+// one after the other.
+template <int NH>
+inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int32_t* wb, int32_t* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   const auto* quads = reinterpret_cast<const __m256i*>(wb);
-  for (int h = 0; h < 2; ++h) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
-    __m256i acc[8];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_si256();
+  constexpr int kHalves = NH <= 4 ? 2 : 1;  // halves per pass over the channels
+  for (int h0 = 0; h0 < 2; h0 += kHalves) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
+    __m256i acc[kHalves][NH];
+    for (int h = 0; h < kHalves; ++h)
+      for (int g = 0; g < NH; ++g) acc[h][g] = _mm256_setzero_si256();
     for (int64_t j = 0; j < D / 4; ++j) {
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols + j * 64 + 32 * h));
-      for (int64_t g = 0; g < G; ++g) {
-        const __m256i pairs = _mm256_maddubs_epi16(c, _mm256_loadu_si256(quads + g * (D / 4) + j));
-        acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(pairs, ones));
+      __m256i c[kHalves];
+      for (int h = 0; h < kHalves; ++h)
+        c[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols + j * 64 + 32 * (h0 + h)));
+      for (int g = 0; g < NH; ++g) {
+        const __m256i w = _mm256_loadu_si256(quads + g * (D / 4) + j);
+        for (int h = 0; h < kHalves; ++h)
+          acc[h][g] = _mm256_add_epi32(acc[h][g], _mm256_madd_epi16(_mm256_maddubs_epi16(c[h], w), ones));
       }
     }
-    for (int64_t g = 0; g < G; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 16 + 8 * h), acc[g]);
+    for (int h = 0; h < kHalves; ++h)
+      for (int g = 0; g < NH; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * 16 + 8 * (h0 + h)), acc[h][g]);
+  }
+}
+
+// dot_block16_avx2_8bit_rows for G weight rows (1..8: the heads, or twice them with residual weights).
+inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+  switch (G) {
+    case 1: return dot_block16_avx2_8bit_rows<1>(cols, D, wb, out);
+    case 2: return dot_block16_avx2_8bit_rows<2>(cols, D, wb, out);
+    case 3: return dot_block16_avx2_8bit_rows<3>(cols, D, wb, out);
+    case 4: return dot_block16_avx2_8bit_rows<4>(cols, D, wb, out);
+    case 5: return dot_block16_avx2_8bit_rows<5>(cols, D, wb, out);
+    case 6: return dot_block16_avx2_8bit_rows<6>(cols, D, wb, out);
+    case 7: return dot_block16_avx2_8bit_rows<7>(cols, D, wb, out);
+    default: return dot_block16_avx2_8bit_rows<8>(cols, D, wb, out);  // G <= 8 (avx2_block_scan)
   }
 }
 
