@@ -445,7 +445,16 @@ struct ChunkRunner {
   // (add_masses).
   void score_candidates16() {
 #if defined(LOUVER_AVX2)
-    return score_candidates16_avx2();
+    switch (a.groups) {  // vector_scores: groups <= 8
+      case 1: return score_candidates16_avx2<1>();
+      case 2: return score_candidates16_avx2<2>();
+      case 3: return score_candidates16_avx2<3>();
+      case 4: return score_candidates16_avx2<4>();
+      case 5: return score_candidates16_avx2<5>();
+      case 6: return score_candidates16_avx2<6>();
+      case 7: return score_candidates16_avx2<7>();
+      default: return score_candidates16_avx2<8>();
+    }
 #endif
 #if defined(__AVX512F__)
     const int64_t G = a.groups, D = a.dim, P16 = cap;
@@ -508,10 +517,12 @@ struct ChunkRunner {
 #if defined(LOUVER_AVX2)
   // score_candidates16 with 8 lanes: per candidate, the 8-lane partial products of every head
   // (one pass over the key row, the queries read from L1), reduced 8 candidates at a time by the
-  // transposing add tree.
+  // transposing add tree. G (the group's heads) is a template argument, so that the per-head
+  // sums of a key row stay in registers.
+  template <int G>
   void score_candidates16_avx2() {
-    const int64_t G = a.groups, D = a.dim, P16 = cap;
-    __m256 part[8][16];  // [head][candidate]; lanes past a short block read stale finite values
+    const int64_t D = a.dim, P16 = cap;
+    __m256 part[G][16];  // [head][candidate]; lanes past a short block read stale finite values
     for (int64_t g = 0; g < G; ++g)
       for (int t = 0; t < 16; ++t) part[g][t] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < n_cand; c0 += 16) {
@@ -521,7 +532,7 @@ struct ChunkRunner {
         prefetch_row(kc + (cand_slot[c] * a.h_kv + k) * D, D);
       for (int64_t t = 0; t < nb; ++t) {
         const KV* row = kc + (cand_slot[c0 + t] * a.h_kv + k) * D;
-        __m256 v[8];
+        __m256 v[G];
         for (int64_t g = 0; g < G; ++g) v[g] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 x = load8_ps(row + d);
