@@ -131,9 +131,8 @@ class Profile:
         section = self.section(policy)
         if section is None:
             return self
-        own = lambda values: {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}  # noqa: E731
-        return dataclasses.replace(self, config={**self.config, **own(section.get("config", {}))},
-                                   launch={**self.launch, **own(section.get("launch", {}))})
+        return dataclasses.replace(self, config={**self.config, **policy_values(section.get("config", {}), policy)},
+                                   launch={**self.launch, **policy_values(section.get("launch", {}), policy)})
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -225,13 +224,18 @@ class Profile:
         return dataclasses.replace(self, config={**self.config, **config}, launch={**self.launch, **launch})
 
 
+def policy_values(values: Mapping[str, Any], policy: str) -> dict[str, Any]:
+    """The values of a section tuned under ``policy`` that it may set (``CERTIFIED_ONLY`` only
+    under certified)."""
+    return {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}
+
+
 def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]:
     """Where ``louver-tune`` exports ``tuned`` over the profile ``existing`` at the same path: a
     profile of the same device, version and attention shapes tuned under another policy keeps its
-    main values and takes ``tuned``'s as the section of ``tuned``'s policy (less ``CERTIFIED_ONLY``
-    for another policy than certified); otherwise ``tuned``
-    replaces it (keeping its other policies' sections where they fit). Returns the profile to write
-    and what was done, in words."""
+    main values and takes ``tuned``'s (``policy_values``) as the section of ``tuned``'s policy;
+    otherwise ``tuned`` replaces it (keeping its other policies' sections where they fit). Returns
+    the profile to write and what was done, in words."""
     policy = tuned.shapes_policy
     same = (existing is not None and not existing.generic and tuned.shapes is not None
             and not existing.version_problems(tuned.target, tuned.louver_version)
@@ -239,8 +243,7 @@ def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]
     if not same:
         return tuned, "written (no profile of this device and shapes there)"
     if existing.shapes_policy != policy:
-        own = lambda values: {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}  # noqa: E731
-        section = {"config": own(tuned.config), "launch": own(tuned.launch),
+        section = {"config": policy_values(tuned.config, policy), "launch": policy_values(tuned.launch, policy),
                    "measured": {**tuned.measured, "eps": tuned.shapes.eps}}  # settings hold a budget's fraction
         merged = dataclasses.replace(existing, policies={**existing.policies, policy: section}, path=None)
         return merged, (f"added as its {policy!r} section (its main values were tuned under "
