@@ -144,12 +144,10 @@ def policy_space(space: SearchSpace, policy: str, default_launch: Mapping[str, A
     """``space`` as a study under ``policy`` searches it: the knobs only certified steps read
     (``CERTIFIED_ONLY``) are held at their defaults under any other policy, where they change
     nothing but would cost trials."""
-    if policy == "certified":
+    if LouverConfig(policy=policy).threshold.certified:
         return space
-    base = LouverConfig()
-    fixed = {k: [default_launch[k] if k in default_launch else getattr(base, k)]
-             for k in CERTIFIED_ONLY if k in space.distributions}
-    return space.restrict(fixed)
+    defaults = space.defaults(default_launch)
+    return space.restrict({k: [defaults[k]] for k in CERTIFIED_ONLY if k in defaults})
 
 
 def suggest_from(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:

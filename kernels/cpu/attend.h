@@ -445,16 +445,8 @@ struct ChunkRunner {
   // (add_masses).
   void score_candidates16() {
 #if defined(LOUVER_AVX2)
-    switch (a.groups) {  // vector_scores: groups <= 8
-      case 1: return score_candidates16_avx2<1>();
-      case 2: return score_candidates16_avx2<2>();
-      case 3: return score_candidates16_avx2<3>();
-      case 4: return score_candidates16_avx2<4>();
-      case 5: return score_candidates16_avx2<5>();
-      case 6: return score_candidates16_avx2<6>();
-      case 7: return score_candidates16_avx2<7>();
-      default: return score_candidates16_avx2<8>();
-    }
+    // vector_scores: groups <= 8
+    return with_heads(a.groups, [&](auto g) { score_candidates16_avx2<decltype(g)::value>(); });
 #endif
 #if defined(__AVX512F__)
     const int64_t G = a.groups, D = a.dim, P16 = cap;

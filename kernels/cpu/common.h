@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -719,6 +720,23 @@ inline void dot_block16(const Codes& codes, int64_t first, int64_t k, int64_t bi
 #endif
 
 
+// f(std::integral_constant<int, n>{}) for a head count n of 1..8 (larger counts run as 8: callers
+// guarantee n <= 8): loops over heads with a compile-time count keep their per-head accumulators
+// in registers, where a run-time count left them on the stack.
+template <typename F>
+inline void with_heads(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // The operand of dot_block16_avx2_4bit from one head's int8 weights w [D] in nibble_order block 8:
 // wb [D/64, 16, 8] int32, row 2i + j of a 64-channel block = weight quad 2i + j (4 bytes) in all
 // 8 lanes (built once per page, so the scan reads its weight operands as stored).
@@ -803,16 +821,7 @@ inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int
 
 // dot_block16_avx2_8bit_rows for G weight rows (1..8: the heads, or twice them with residual weights).
 inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
-  switch (G) {
-    case 1: return dot_block16_avx2_8bit_rows<1>(cols, D, wb, out);
-    case 2: return dot_block16_avx2_8bit_rows<2>(cols, D, wb, out);
-    case 3: return dot_block16_avx2_8bit_rows<3>(cols, D, wb, out);
-    case 4: return dot_block16_avx2_8bit_rows<4>(cols, D, wb, out);
-    case 5: return dot_block16_avx2_8bit_rows<5>(cols, D, wb, out);
-    case 6: return dot_block16_avx2_8bit_rows<6>(cols, D, wb, out);
-    case 7: return dot_block16_avx2_8bit_rows<7>(cols, D, wb, out);
-    default: return dot_block16_avx2_8bit_rows<8>(cols, D, wb, out);  // G <= 8 (avx2_block_scan)
-  }
+  with_heads(G, [&](auto nh) { dot_block16_avx2_8bit_rows<decltype(nh)::value>(cols, D, wb, out); });
 }
 
 // The 8-lane scan's integer dots of one block16 block, for the code width (avx2_block_scan).

@@ -227,7 +227,8 @@ class Profile:
 def policy_values(values: Mapping[str, Any], policy: str) -> dict[str, Any]:
     """The values of a section tuned under ``policy`` that it may set (``CERTIFIED_ONLY`` only
     under certified)."""
-    return {k: v for k, v in values.items() if policy == "certified" or k not in CERTIFIED_ONLY}
+    certified = LouverConfig(policy=policy).threshold.certified
+    return {k: v for k, v in values.items() if certified or k not in CERTIFIED_ONLY}
 
 
 def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]:
