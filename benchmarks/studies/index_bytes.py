@@ -258,11 +258,16 @@ SPLITS = {64: ((4, 4), (2, 2, 4), (3, 5)),
 RESIDUAL_SPLITS = ((2, 2, 4), (2, 1, 1, 4))  # page 128, the last plane bounded with residual int8 weights
 
 
+def split_name(planes: tuple[int, ...], page: int, residual: bool = False) -> str:
+    """``split2+2+4-p128``; ``r`` before the page size: the last plane with residual weights."""
+    return f"split{'+'.join(map(str, planes))}{'r' if residual else ''}-p{page}"
+
+
 def design_names(ranks) -> list[str]:
     """Every design the study measures, in table order."""
     names = [f"grid{bits}-p{page}" for bits in (8, 4) for page in (64, 128)] + ["grid8r-p128"]
-    names += [f"split{'+'.join(map(str, planes))}-p{page}" for page, splits in SPLITS.items() for planes in splits]
-    names += [f"split{'+'.join(map(str, planes))}r-p128" for planes in RESIDUAL_SPLITS]
+    names += [split_name(planes, page) for page, splits in SPLITS.items() for planes in splits]
+    names += [split_name(planes, 128, residual=True) for planes in RESIDUAL_SPLITS]
     names += [f"tier{block}-grid8-p64" for block in (8, 16, 32)]
     return names + [f"lowrank{rank}-p64" for rank in ranks]
 
@@ -286,15 +291,11 @@ def designs_for(keys, q, idx64, idx128, projections: dict, wanted=None) -> dict[
                 out[f"grid{bits}-p{page}"] = (grid(bits, page), idx[page], page)
     if "grid8r-p128" in wanted:
         out["grid8r-p128"] = (grid(8, 128, True), idx128, 128)
-    for page, splits in SPLITS.items():
-        for planes in splits:
-            name = f"split{'+'.join(map(str, planes))}-p{page}"
-            if name in wanted:
-                out[name] = (split_bounds(keys, q, idx[page], grid(8, page), page, planes), idx[page], page)
-    for planes in RESIDUAL_SPLITS:
-        name = f"split{'+'.join(map(str, planes))}r-p128"
+    splits = [(planes, page, False) for page, by_page in SPLITS.items() for planes in by_page]
+    for planes, page, residual in splits + [(planes, 128, True) for planes in RESIDUAL_SPLITS]:
+        name = split_name(planes, page, residual)
         if name in wanted:
-            out[name] = (split_bounds(keys, q, idx128, grid(8, 128, True), 128, planes), idx128, 128)
+            out[name] = (split_bounds(keys, q, idx[page], grid(8, page, residual), page, planes), idx[page], page)
     for block in (8, 16, 32):
         if f"tier{block}-grid8-p64" in wanted:
             out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, grid(8, 64)), idx64, 64)
@@ -344,8 +345,10 @@ def main() -> int:
     for path in map(Path, args.traces):
         other = [Path(t) for t in args.traces if Path(t).name.split("_")[0] != path.name.split("_")[0]]
         calibration = other[0] if other else path  # the projection comes from another text
-        for (design, policy), acc in measure_trace(path, calibration, args.ranks, args.query_stride, args.designs).items():
-            rows.append(dict(design=design, trace=path.stem, policy=policy, bytes_fraction=sum(acc["parts"].values()) / acc["dense"],
+        totals = measure_trace(path, calibration, args.ranks, args.query_stride, args.designs)
+        for (design, policy), acc in totals.items():
+            moved = sum(acc["parts"].values())
+            rows.append(dict(design=design, trace=path.stem, policy=policy, bytes_fraction=moved / acc["dense"],
                              recall=1.0 if acc["recall"] else 0.0, kept_over_oracle=acc["kept"] / max(acc["oracle"], 1),
                              shipped=design in SHIPPED, shipped_on=SHIPPED.get(design, []),
                              calibrated_on=calibration.stem if design.startswith("lowrank") else None,

@@ -113,11 +113,12 @@ def select_profile(target: str, shapes: Shapes, version: str, environ: Mapping[s
 def _other_dtype(device: Profile, generic: Profile, shapes: Shapes, why: str, hint: str) -> Selection:
     """This device's profile for another KV dtype, with the dtype-dependent knobs of ``generic``."""
     knobs = {k: generic.config[k] for k in DTYPE_DEPENDENT if k in generic.config}
-    config = {k: v for k, v in device.config.items() if k not in DTYPE_DEPENDENT}  # the rest: plain defaults
-    policies = {name: {**section, "config": {k: v for k, v in section.get("config", {}).items()
-                                              if k not in DTYPE_DEPENDENT}}
+    def layout(config):  # what stays of a config tuned in the other dtype (the rest: plain defaults)
+        return {k: v for k, v in config.items() if k not in DTYPE_DEPENDENT}
+
+    policies = {name: {**section, "config": layout(section.get("config", {}))}
                 for name, section in device.policies.items()}
-    profile = replace(device, config={**config, **knobs}, policies=policies)
+    profile = replace(device, config={**layout(device.config), **knobs}, policies=policies)
     message = (f"louver: using tuned profile {device.path} of this device for {device.kv_dtype} KV ({why}): its index "
                f"layout and launch, with {', '.join(f'{k}={v}' for k, v in knobs.items()) or 'nothing'} from the "
                f"generic {generic.isa} profile (those depend on the dense path's speed in each dtype); {hint}")
