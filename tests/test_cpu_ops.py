@@ -299,6 +299,15 @@ def test_fp32_exp_error_bound_holds_for_every_input():
     assert 0.0 < worst <= bound
 
 
+def test_dropped_mass_exp_bounds_every_input_from_above():
+    """The dropped tokens' masses take exp_up: at least e^x with room for x's own fp32 roundings
+    (a factor above 1 + 2^-15, i.e. e^x' for any x' within 3e-5 of x) and at most 0.83 % above it,
+    for every fp32 x in the range the kernels clamp to."""
+    low, high = OPS.exp_up_ratio(-87.0, 88.0)
+    assert 1.0 + 2.0**-15 < low
+    assert high <= 1.0083
+
+
 def test_exact_part_rejects_a_narrow_sample_buffer():
     q, k, _, plan, _ = _batch(torch.float32, sample_size=40)
     with pytest.raises(RuntimeError, match="sample buffer"):

@@ -87,7 +87,7 @@ struct ChunkRunner {
   int64_t b, k, head0;
   bool open = false, vector_scores, residual;
   int64_t cap;  // batch capacity; declared before the buffers sized by it
-  std::vector<float> buf, acc, w, off, pb, step, step2, resid, drop_max, drop_lanes, book, rows16, score, weight;
+  std::vector<float> buf, acc, w, off, pb, step, step2, resid, drop_max, drop_lanes, drop_mass, book, rows16, score, weight;
   // int8 weights [G2, D] (G2 = 2·G with residual weights: heads G.. hold the residuals);
   // nibble_order block 64 and block 8
   std::vector<int8_t> wq, wsplit, wsplit8;
@@ -116,7 +116,7 @@ struct ChunkRunner {
         buf(std::max(args.dim, args.dim_v)), acc(args.groups * args.dim_v, 0.f), w(args.groups * args.dim),
         off(args.groups), pb(args.groups), step(args.groups), step2(args.groups), resid(args.dim),
         drop_max(args.groups),
-        drop_lanes(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
+        drop_lanes(16 * args.groups), drop_mass(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
         weight(args.groups * cap), wq(2 * args.groups * args.dim), wsplit(2 * args.groups * args.dim),
         wsplit8(2 * args.groups * args.dim), idot(2 * args.groups),
         quads8(kHaveAvx2 ? 4 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
@@ -185,6 +185,7 @@ struct ChunkRunner {
       drop_count[g] = 0;
       drop_max[g] = -INFINITY;
       std::fill(drop_lanes.begin() + 16 * g, drop_lanes.begin() + 16 * (g + 1), -INFINITY);
+      std::fill(drop_mass.begin() + 16 * g, drop_mass.begin() + 16 * (g + 1), 0.f);
     }
     if (vnni_scan()) {  // 4-bit 16-token blocks read wsplit8; the per-token path (and 8 bits) wsplit
       const bool blocks4 = a.bits == 4, tokens = a.bits != 4 || a.page_size % 16 != 0;
@@ -233,9 +234,10 @@ struct ChunkRunner {
       }
       if (!keep_page[g]) continue;
       const __mmask16 drop = _mm512_cmp_ps_mask(ub, _mm512_set1_ps(a.t[head0 + g]), _CMP_LT_OQ);  // NaN keeps
-      if (drop && a.tight_dropped) {
+      if (drop && a.tight_dropped) {  // per lane in fp32; end_page adds the lanes once per page
         const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(ub, _mm512_set1_ps(a.ref[head0 + g])));
-        st[g].mass[0] += double(exp_sum_high16(x, drop)) * kMassUp;
+        float* lanes = drop_mass.data() + 16 * g;
+        _mm512_storeu_ps(lanes, _mm512_mask_add_ps(_mm512_loadu_ps(lanes), drop, _mm512_loadu_ps(lanes), exp_up16(x)));
       } else if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
         const __m512 seen = _mm512_loadu_ps(drop_lanes.data() + 16 * g);
@@ -266,9 +268,10 @@ struct ChunkRunner {
         if (!keep_page[g]) continue;
         const __m256 below = _mm256_cmp_ps(ub, t, _CMP_LT_OQ);  // NaN keeps
         const uint32_t drop = static_cast<uint32_t>(_mm256_movemask_ps(below));
-        if (drop && a.tight_dropped) {
+        if (drop && a.tight_dropped) {  // per lane in fp32, as the 16-lane version
           const __m256 x = _mm256_mul_ps(_mm256_set1_ps(a.sigma), _mm256_sub_ps(ub, _mm256_set1_ps(a.ref[head0 + g])));
-          st[g].mass[0] += double(exp_sum_high8(x, drop)) * kMassUp;
+          float* lanes = drop_mass.data() + 16 * g + 8 * h;
+          _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_loadu_ps(lanes), _mm256_and_ps(exp_up8(x), below)));
         } else if (drop) {  // the largest dropped bound per lane, as the 16-lane version
           drop_count[g] += __builtin_popcount(drop);
           float* lanes = drop_lanes.data() + 16 * g + 8 * h;
@@ -391,6 +394,7 @@ struct ChunkRunner {
   // which is scored and attended (flush) once another page might not fit or the chunk ends.
   void end_page() {
     for (int64_t g = 0; g < a.groups; ++g) {
+      if (a.tight_dropped) st[g].mass[0] += lane_mass(drop_mass.data() + 16 * g);
       if (!drop_count[g]) continue;
       float top = drop_max[g];  // the per-token path's; the 16-token blocks' are in drop_lanes
       for (int i = 0; i < 16; ++i) top = std::max(top, drop_lanes[16 * g + i]);

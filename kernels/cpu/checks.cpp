@@ -23,13 +23,18 @@ uint32_t to_bits(float f) {
   return u;
 }
 
-// The build's vector exp (exp_ps16 with AVX-512, exp_ps8 with AVX2) of xs[16] into ys[16].
+// The build's vector exp of xs[16] into ys[16]: exp_ps16 with AVX-512, exp_ps8 with AVX2 (Up: the
+// dropped masses' exp from above, exp_up16 / exp_up8).
+template <bool Up>
 void vector_exp16(const float* xs, float* ys) {
 #if defined(__AVX512F__)
-  _mm512_storeu_ps(ys, exp_ps16(_mm512_loadu_ps(xs)));
+  const __m512 x = _mm512_loadu_ps(xs);
+  _mm512_storeu_ps(ys, Up ? exp_up16(x) : exp_ps16(x));
 #elif defined(LOUVER_AVX2)
-  _mm256_storeu_ps(ys, exp_ps8(_mm256_loadu_ps(xs)));
-  _mm256_storeu_ps(ys + 8, exp_ps8(_mm256_loadu_ps(xs + 8)));
+  for (int h = 0; h < 16; h += 8) {
+    const __m256 x = _mm256_loadu_ps(xs + h);
+    _mm256_storeu_ps(ys + h, Up ? exp_up8(x) : exp_ps8(x));
+  }
 #else
   (void)xs;
   (void)ys;
@@ -47,7 +52,7 @@ double exp_error_patterns(uint32_t first, uint32_t last) {
     alignas(64) float xs[16], ys[16];
     for (int64_t blk = begin; blk < end; ++blk) {
       for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
-      vector_exp16(xs, ys);
+      vector_exp16<false>(xs, ys);
       for (int i = 0; i < 16; ++i) {
         const double e = std::exp(double(xs[i]));
         local = std::max(local, std::fabs(double(ys[i]) - e) / e);
@@ -59,7 +64,47 @@ double exp_error_patterns(uint32_t first, uint32_t last) {
   return worst;
 }
 
+// Smallest and largest exp_up(x) / e^x over the fp32 bit patterns [first, last] (one sign).
+std::pair<double, double> exp_up_patterns(uint32_t first, uint32_t last) {
+  std::mutex lock;
+  double low = INFINITY, high = 0.0;
+  const int64_t n = int64_t(last) - int64_t(first) + 1;
+  at::parallel_for(0, (n + 15) / 16, 1 << 16, [&](int64_t begin, int64_t end) {
+    double lo = INFINITY, hi = 0.0;
+    alignas(64) float xs[16], ys[16];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
+      vector_exp16<true>(xs, ys);
+      for (int i = 0; i < 16; ++i) {
+        const double r = double(ys[i]) / std::exp(double(xs[i]));
+        lo = std::min(lo, r);
+        hi = std::max(hi, r);
+      }
+    }
+    std::lock_guard<std::mutex> guard(lock);
+    low = std::min(low, lo);
+    high = std::max(high, hi);
+  });
+  return {low, high};
+}
+
 }  // namespace
+
+// (smallest, largest) exp_up(x) / e^x over every fp32 x in [lo, hi]: the dropped masses' exp from
+// above (exp_up16, or exp_up8 in AVX2 builds). Needs AVX-512 or AVX2.
+std::tuple<double, double> exp_up_ratio(double lo, double hi) {
+  TORCH_CHECK(kHaveAvx512 || kHaveAvx2, "exp_up_ratio: built without AVX-512 or AVX2");
+  TORCH_CHECK(lo <= hi, "exp_up_ratio: need lo <= hi");
+  const float a = static_cast<float>(lo), b = static_cast<float>(hi);
+  double low = INFINITY, high = 0.0;
+  auto widen = [&](std::pair<double, double> r) {
+    low = std::min(low, r.first);
+    high = std::max(high, r.second);
+  };
+  if (a < 0.f) widen(exp_up_patterns(to_bits(std::min(b, -0.f)), to_bits(a)));  // −0 .. a
+  if (b >= 0.f) widen(exp_up_patterns(to_bits(std::max(a, 0.f)), to_bits(b)));
+  return {low, high};
+}
 
 // (largest relative error of the vector exp (exp_ps16, or exp_ps8 in AVX2 builds: the same
 // operations) over every fp32 x in [lo, hi], the bound the kernels assume: kExpPs16RelError).

@@ -851,6 +851,27 @@ constexpr double kExpPs16RelError = 0x1p-22;
 // 16 positive terms (below 15u = 9e-7): in all below 1.7e-5 < 2^-15. Block sums add up in fp64.
 constexpr double kMassUp = 1.0 + 0x1p-15, kMassDown = 1.0 - 0x1p-15;
 
+// exp_up16 / exp_up8: e^x from above, within 0.83 %, for the masses of dropped tokens, of which
+// there are many and whose bound may be loose by a little, where exp_ps16's 20-odd operations per
+// vector were most of the scan's own time. With y = x·log2(e) + 2^-12, n = ⌊y⌋ and f = y − n,
+// 2^y = 2^n·2^f ≤ 2^n·(1 + f − a·f·(1 − f)) for a <= 1 − ln 2 = 0.3069 (the chord 1 + f minus a
+// bend that vanishes at both ends; at a = 0.3 the polynomial exceeds 2^f by at most 0.81 %). The
+// 2^-12 in y (a factor 1 + 1.7e-4) covers the fp32 roundings of y (|x| <= 88: under 1.2e-5), of
+// the polynomial (two fused multiply-adds: under 2.4e-7) and of x = σ(u − ref) itself (under
+// 1.6e-5 in x), so a result bounds e^x for the exact x; 2^n·p is exact (n in [−126, 126] for x in
+// [−87, 88]). checks.cpp's exp_up_ratio measures every fp32 x against fp64.
+constexpr float kExpUpBend = 0.3f, kExpUpMargin = 0x1p-12f, kLog2e = 1.44269504088896341f;
+
+// kMassUp times the fp64 sum of a page's 16 fp32 lanes of dropped masses, each lane an fp32 sum
+// of at most 16 exp_up terms (one token of each 16-token block: pages of at most 256 slots,
+// LouverConfig's limit), bounds the sum of their terms (15u per lane, as for 16-lane blocks above;
+// the fp64 adds of positive terms err by 15·2^-53).
+inline double lane_mass(const float* lanes) {
+  double sum = 0.0;
+  for (int i = 0; i < 16; ++i) sum += double(lanes[i]);
+  return sum * kMassUp;
+}
+
 #if defined(__AVX512F__)
 
 // Lane t of the result is the sum of the 16 lanes of v[t].
@@ -923,6 +944,18 @@ inline float exp_sum_high16(__m512 x, __mmask16 valid) {
   const __mmask16 huge = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_NLE_UQ);
   const __m512 e = _mm512_mask_mov_ps(exp_ps16(_mm512_max_ps(x, _mm512_set1_ps(-87.f))), huge, _mm512_set1_ps(INFINITY));
   return _mm512_mask_reduce_add_ps(valid, e);
+}
+
+// e^x from above for 16 floats (see kExpUpBend): x below −87 gives e^−87, NaN or x above 88 +inf.
+inline __m512 exp_up16(__m512 x) {
+  const __mmask16 huge = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_NLE_UQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kExpUpMargin));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  const __m512 bend = _mm512_fmadd_ps(f, _mm512_set1_ps(kExpUpBend), _mm512_set1_ps(1.f - kExpUpBend));
+  const __m512 p = _mm512_fmadd_ps(f, bend, _mm512_set1_ps(1.f));
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), huge, _mm512_set1_ps(INFINITY));
 }
 
 // n values src[i·stride] into 16-lane vectors (lanes past n are 0, masked by the caller).
@@ -998,6 +1031,19 @@ inline __m256 exp_ps8(__m256 x) {
   const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
   const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+// exp_up16 for 8 lanes: 2^n·p from p's bits plus n in the exponent field.
+inline __m256 exp_up8(__m256 x) {
+  const __m256 huge = _mm256_cmp_ps(x, _mm256_set1_ps(88.f), _CMP_NLE_UQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(kExpUpMargin));
+  const __m256 n = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, n);
+  const __m256 bend = _mm256_fmadd_ps(f, _mm256_set1_ps(kExpUpBend), _mm256_set1_ps(1.f - kExpUpBend));
+  const __m256 p = _mm256_fmadd_ps(f, bend, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(e), _mm256_set1_ps(INFINITY), huge);
 }
 
 // exp_sum_low16 / exp_sum_high16 for 8 lanes (``valid``: the lanes counted, bit i for lane i).

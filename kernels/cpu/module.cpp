@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Largest |int8 weight| of the token bounds of this build for codes of ``bits`` bits", pybind11::arg("bits"));
   m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)",
         pybind11::arg("lo"), pybind11::arg("hi"));
+  m.def("exp_up_ratio", &exp_up_ratio, "Smallest and largest ratio of the dropped masses' exp to e^x over a range (check)",
+        pybind11::arg("lo"), pybind11::arg("hi"));
   pybind11::class_<StepPlan>(m, "StepPlan", pybind11::module_local(), "The plan side of the one-call step (see ops.h)")
       .def(pybind11::init([](const pybind11::kwargs& kwargs) {
         Named args(kwargs, "StepPlan");
