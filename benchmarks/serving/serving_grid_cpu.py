@@ -47,6 +47,10 @@ CONFIGS = {
                                                 {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                                  "LOUVER_CERTIFIED_RULE": "a_posteriori",
                                                  "LOUVER_CERTIFIED_PASSES": "1", "LOUVER_ESTIMATE_SHARE": "1"}),
+    # the one-pass rule at Z_lb (design notes, "Certified in one pass"): the AVX2 profiles' rule is a posteriori
+    "certified-1e-3-one-pass": ("louver", "certified-1e-3-one-pass",
+                                {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
+                                 "LOUVER_CERTIFIED_RULE": "histogram", "LOUVER_CERTIFIED_PASSES": "1"}),
     # the certified histogram rule with two scans of the codes (the compiled step before its one-scan pass)
     "certified-1e-3-two-scans": ("louver", "certified-1e-3", {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                                               "LOUVER_ONE_SCAN": "0"}),
