@@ -56,7 +56,7 @@ struct AttendArgs {
   // residual int8 weights (quantize_weights_residual): a second integer dot per token for a bound
   // ~250 times tighter in its int8 slack; applied where 2·G <= 8 (the dot kernels' heads)
   bool residual = false;
-  // mass[0] sums each dropped token's own e^{σ(u − ref)} (fp32 exps, kMassUp) instead of a page's
+  // mass[0] sums each dropped token's own e^{σ(u − ref)} (exp_up, per lane, kMassUp) instead of a page's
   // count times its largest dropped bound's: one exp per block instead of one per page, for a
   // bound up to ~8x tighter (the one-pass rule a posteriori certifies with it)
   bool tight_dropped = false;
