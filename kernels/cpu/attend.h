@@ -237,7 +237,8 @@ struct ChunkRunner {
       if (drop && a.tight_dropped) {  // per lane in fp32; end_page adds the lanes once per page
         const __m512 x = _mm512_mul_ps(_mm512_set1_ps(a.sigma), _mm512_sub_ps(ub, _mm512_set1_ps(a.ref[head0 + g])));
         float* lanes = drop_mass.data() + 16 * g;
-        _mm512_storeu_ps(lanes, _mm512_mask_add_ps(_mm512_loadu_ps(lanes), drop, _mm512_loadu_ps(lanes), exp_up16(x)));
+        const __m512 sum = _mm512_loadu_ps(lanes);
+        _mm512_storeu_ps(lanes, _mm512_mask_add_ps(sum, drop, sum, exp_up16(x)));
       } else if (drop) {  // the largest dropped bound per lane; end_page reduces the lanes once per page
         drop_count[g] += __builtin_popcount(static_cast<uint32_t>(drop));
         const __m512 seen = _mm512_loadu_ps(drop_lanes.data() + 16 * g);

@@ -41,31 +41,10 @@ void vector_exp16(const float* xs, float* ys) {
 #endif
 }
 
-// Largest |exp(x) − e^x| / e^x of the build's vector exp over the fp32 bit patterns [first, last]
-// (one sign).
-double exp_error_patterns(uint32_t first, uint32_t last) {
-  std::mutex lock;
-  double worst = 0.0;
-  const int64_t n = int64_t(last) - int64_t(first) + 1;
-  at::parallel_for(0, (n + 15) / 16, 1 << 16, [&](int64_t begin, int64_t end) {
-    double local = 0.0;
-    alignas(64) float xs[16], ys[16];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
-      vector_exp16<false>(xs, ys);
-      for (int i = 0; i < 16; ++i) {
-        const double e = std::exp(double(xs[i]));
-        local = std::max(local, std::fabs(double(ys[i]) - e) / e);
-      }
-    }
-    std::lock_guard<std::mutex> guard(lock);
-    worst = std::max(worst, local);
-  });
-  return worst;
-}
-
-// Smallest and largest exp_up(x) / e^x over the fp32 bit patterns [first, last] (one sign).
-std::pair<double, double> exp_up_patterns(uint32_t first, uint32_t last) {
+// Smallest and largest exp(x) / e^x of the build's vector exp (Up: exp_up) over the fp32 bit
+// patterns [first, last] (one sign).
+template <bool Up>
+std::pair<double, double> ratio_patterns(uint32_t first, uint32_t last) {
   std::mutex lock;
   double low = INFINITY, high = 0.0;
   const int64_t n = int64_t(last) - int64_t(first) + 1;
@@ -74,7 +53,7 @@ std::pair<double, double> exp_up_patterns(uint32_t first, uint32_t last) {
     alignas(64) float xs[16], ys[16];
     for (int64_t blk = begin; blk < end; ++blk) {
       for (int i = 0; i < 16; ++i) xs[i] = from_bits(uint32_t(first + std::min<int64_t>(blk * 16 + i, n - 1)));
-      vector_exp16<true>(xs, ys);
+      vector_exp16<Up>(xs, ys);
       for (int i = 0; i < 16; ++i) {
         const double r = double(ys[i]) / std::exp(double(xs[i]));
         lo = std::min(lo, r);
@@ -88,35 +67,34 @@ std::pair<double, double> exp_up_patterns(uint32_t first, uint32_t last) {
   return {low, high};
 }
 
-}  // namespace
-
-// (smallest, largest) exp_up(x) / e^x over every fp32 x in [lo, hi]: the dropped masses' exp from
-// above (exp_up16, or exp_up8 in AVX2 builds). Needs AVX-512 or AVX2.
-std::tuple<double, double> exp_up_ratio(double lo, double hi) {
-  TORCH_CHECK(kHaveAvx512 || kHaveAvx2, "exp_up_ratio: built without AVX-512 or AVX2");
-  TORCH_CHECK(lo <= hi, "exp_up_ratio: need lo <= hi");
+// ratio_patterns over every fp32 x in [lo, hi] (both signs); ``name`` for the errors.
+template <bool Up>
+std::pair<double, double> ratio_range(double lo, double hi, const char* name) {
+  TORCH_CHECK(kHaveAvx512 || kHaveAvx2, name, ": built without AVX-512 or AVX2");
+  TORCH_CHECK(lo <= hi, name, ": need lo <= hi");
   const float a = static_cast<float>(lo), b = static_cast<float>(hi);
   double low = INFINITY, high = 0.0;
   auto widen = [&](std::pair<double, double> r) {
     low = std::min(low, r.first);
     high = std::max(high, r.second);
   };
-  if (a < 0.f) widen(exp_up_patterns(to_bits(std::min(b, -0.f)), to_bits(a)));  // −0 .. a
-  if (b >= 0.f) widen(exp_up_patterns(to_bits(std::max(a, 0.f)), to_bits(b)));
+  if (a < 0.f) widen(ratio_patterns<Up>(to_bits(std::min(b, -0.f)), to_bits(a)));  // −0 .. a
+  if (b >= 0.f) widen(ratio_patterns<Up>(to_bits(std::max(a, 0.f)), to_bits(b)));
   return {low, high};
 }
+
+}  // namespace
+
+// (smallest, largest) exp_up(x) / e^x over every fp32 x in [lo, hi]: the dropped masses' exp from
+// above (exp_up16, or exp_up8 in AVX2 builds). Needs AVX-512 or AVX2.
+std::tuple<double, double> exp_up_ratio(double lo, double hi) { return ratio_range<true>(lo, hi, "exp_up_ratio"); }
 
 // (largest relative error of the vector exp (exp_ps16, or exp_ps8 in AVX2 builds: the same
 // operations) over every fp32 x in [lo, hi], the bound the kernels assume: kExpPs16RelError).
 // Needs AVX-512 or AVX2 (the builds that use them).
 std::tuple<double, double> exp_ps16_error(double lo, double hi) {
-  TORCH_CHECK(kHaveAvx512 || kHaveAvx2, "exp_ps16_error: built without AVX-512 or AVX2");
-  TORCH_CHECK(lo <= hi, "exp_ps16_error: need lo <= hi");
-  const float a = static_cast<float>(lo), b = static_cast<float>(hi);
-  double worst = 0.0;
-  if (a < 0.f) worst = std::max(worst, exp_error_patterns(to_bits(std::min(b, -0.f)), to_bits(a)));  // −0 .. a
-  if (b >= 0.f) worst = std::max(worst, exp_error_patterns(to_bits(std::max(a, 0.f)), to_bits(b)));
-  return {worst, kExpPs16RelError};
+  const auto [low, high] = ratio_range<false>(lo, hi, "exp_ps16_error");
+  return {std::max(high - 1.0, 1.0 - low), kExpPs16RelError};
 }
 
 // The largest |int8 weight| of this build's token bounds for codes of ``bits`` bits

@@ -920,7 +920,7 @@ inline void norms_up16(const float* rows, int64_t D, float* out) {
 // polynomial to r^7 (truncation < 2^-24).
 inline __m512 exp_ps16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));  // NaN propagates
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -1018,7 +1018,7 @@ inline __m256 lane_sums8_ps(const __m256* v) {
 // [−150, 127], of which the first product is exact.
 inline __m256 exp_ps8(__m256 x) {
   x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-104.f), x));  // NaN propagates
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
   r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
