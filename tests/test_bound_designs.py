@@ -11,8 +11,8 @@ import torch
 
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_sgl.index.bound_designs import (
-    block_minmax, block_minmax_bounds, calibrate_projection, lowrank_bounds, lowrank_terms, nibble_coarse_bounds,
-    project_queries, round_to_fp16,
+    allocate_low_bits, block_minmax, block_minmax_bounds, calibrate_channel_weights, calibrate_projection,
+    lowrank_bounds, lowrank_terms, nibble_coarse_bounds, project_queries, round_to_fp16,
 )
 from louver_sgl.index.grid import unpack_codes
 
@@ -78,6 +78,67 @@ def test_every_prefix_of_bit_planes_bounds_every_key(seed):
     assert all(b < a for a, b in zip(slack, slack[1:])), slack
 
 
+def _grid(keys, dtype=torch.float16):
+    store = PageIndexStore(LouverConfig(page_size=P, grid_bits=8), keys.shape[0] // P, H_KV, keys.shape[2], dtype)
+    store.build_pages(keys, torch.arange(store.num_pages))
+    return store.tensors, unpack_codes(store.page_codes(torch.arange(store.num_pages)), 8)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_allocated_bits_bound_every_key(seed, dtype):
+    """Per-channel unread bits (the allocated designs): a random allocation and the tiers of
+    ``allocate_low_bits`` with calibrated weights each bound every key, and each tier (more bits
+    read) tightens the mean bound."""
+    dim = 32
+    keys = _keys(seed, dim, dtype)
+    t, codes = _grid(keys, dtype)
+    q = _queries(seed, dim)
+    exact = _exact(q, keys).view(-1, P, H_KV, G)
+    random_low = torch.randint(0, 9, t["scale"].shape, generator=torch.Generator().manual_seed(seed))
+    u = nibble_coarse_bounds(q, t["lo"], t["scale"], t["radius"], codes, low_bits=random_low)
+    assert bool(torch.isfinite(u).all()) and bool((exact <= u).all()), "random allocation"
+    weight = calibrate_channel_weights(torch.randn(20, H_KV * G, dim, generator=torch.Generator().manual_seed(seed)),
+                                       H_KV)
+    slack = []
+    for budget, low in zip((16, 48, 96, 160, 255), allocate_low_bits(t["scale"], weight, (16, 48, 96, 160, 255))):
+        u = nibble_coarse_bounds(q, t["lo"], t["scale"], t["radius"], codes, low_bits=low)
+        assert bool((exact <= u).all()), f"{budget} bits per token"
+        slack.append(float((u - exact).mean()))
+    assert all(b < a for a, b in zip(slack, slack[1:])), slack
+
+
+def test_allocation_spends_each_budget_high_bits_first():
+    dim = 32
+    t, _ = _grid(_keys(0, dim))
+    scale = t["scale"]
+    weight = torch.rand(H_KV, dim, generator=torch.Generator().manual_seed(3)) + 0.1
+    weight[:, 5] = 0.0  # a channel no query uses: read last
+    budgets = (1, 40, 128, 200, 8 * (dim - 1))
+    lows = allocate_low_bits(scale, weight, budgets)
+    for budget, low in zip(budgets, lows):
+        assert low.shape == scale.shape and bool(((low >= 0) & (low <= 8)).all())
+        assert bool(((8 - low).sum(-1) == budget).all()), budget
+    assert all(bool((b <= a).all()) for a, b in zip(lows, lows[1:])), "tiers are nested"
+    first = (scale.double().abs() * weight[None]).argmax(-1)  # [n, H_kv]: the largest weighted spread
+    assert bool((lows[0].argmin(-1) == first).all()) and bool((lows[0].amin(-1) == 7).all())
+    assert bool((lows[-1][..., 5] == 8).all()), "the zero-weight channel gets no bit"
+
+
+def test_allocation_and_bounds_reject_bad_input():
+    dim = 32
+    t, codes = _grid(_keys(0, dim))
+    ones = torch.ones(H_KV, dim)
+    with pytest.raises(ValueError, match="weight"):
+        allocate_low_bits(t["scale"], torch.ones(H_KV + 1, dim), (8,))
+    with pytest.raises(ValueError, match="budgets"):
+        allocate_low_bits(t["scale"], ones, (64, 32))
+    with pytest.raises(ValueError, match="budgets"):
+        allocate_low_bits(t["scale"], ones, (8 * dim + 1,))
+    with pytest.raises(ValueError, match="low_bits"):
+        nibble_coarse_bounds(_queries(0, dim), t["lo"], t["scale"], t["radius"], codes, low_bits=9)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("block", [4, 8])
 def test_block_min_max_bounds_every_key_of_its_block(seed, block):
@@ -135,6 +196,10 @@ def test_non_finite_keys_keep_and_ties_keep():
     nib = nibble_coarse_bounds(q, t["lo"], t["scale"], t["radius"],
                                unpack_codes(store.page_codes(torch.arange(store.num_pages)), 8))
     assert bool((~(nib[0, :, 0] < 1e30)).all()), "the NaN key's page keeps every token"
+    low = allocate_low_bits(t["scale"], torch.ones(H_KV, dim), (40,))[0]
+    nib = nibble_coarse_bounds(q, t["lo"], t["scale"], t["radius"],
+                               unpack_codes(store.page_codes(torch.arange(store.num_pages)), 8), low_bits=low)
+    assert bool((~(nib[0, :, 0] < 1e30)).all()), "with allocated bits too"
     clean = _keys(1, dim)
     lo, hi = block_minmax(clean, 8)
     u = block_minmax_bounds(q, lo, hi)

@@ -26,6 +26,11 @@ Designs (all sound in floating point; design notes, "Index designs by bytes move
   count a token below the gate's lowest level by its bound so far (as a one-pass kernel would:
   ``triton_tiled``'s window from the safe level); a final ``r``: the last plane's bound with
   residual int8 weights, as ``grid8r``;
+* ``alloc-p128``, ``allocq-p128``, ``allocqr-p128``: the 8-bit codes' bits read in tiers of
+  ``ALLOC_BITS`` bits per channel on average (1.5, 2, 2.5, 3, 4, 5, 6, 7, then 8), each page giving
+  a tier's bits to the channels whose cells they shrink most (``allocate_low_bits``): weighted by
+  the page's grid steps alone, or (``q``) by them times the mean |q_d| per KV head calibrated on
+  *another* trace's queries; ``r``: the last tier with residual int8 weights;
 * ``lowrank{r}-p64``: per (layer, KV head) a projection P (the top-r eigenvectors of the keys'
   second moment, calibrated on *another* trace) with an 8-bit grid over the projected keys and,
   per token, ‖k − PᵀPk‖ and ‖P(k − PᵀPk)‖ + ‖Pk − k̃‖ rounded up (fp16), so that
@@ -58,8 +63,8 @@ from louver_sgl.decode import threshold as th
 from louver_sgl.decode.plan import _sample_positions, split_pages
 from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
 from louver_sgl.index.bound_designs import (
-    block_minmax, block_minmax_bounds, calibrate_projection, lowrank_bounds, lowrank_terms, nibble_coarse_bounds,
-    project_queries,
+    allocate_low_bits, block_minmax, block_minmax_bounds, calibrate_channel_weights, calibrate_projection,
+    lowrank_bounds, lowrank_terms, nibble_coarse_bounds, project_queries,
 )
 from louver_sgl.index.grid import unpack_codes
 
@@ -107,6 +112,29 @@ def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64, planes: tuple[
     prefix of planes bounds a token by its cell (``bound_designs.nibble_coarse_bounds``); a step
     reads the next plane only for tokens whose bound so far reaches the gate, and the last gives
     ``grid``'s 8-bit bound. ``prefixes`` holds the bounds after each plane but the last."""
+    dim = keys.shape[2]
+    read = [sum(planes[: i + 1]) for i in range(len(planes))]  # high bits per channel after each plane
+    return _tiered_bounds(keys, q, idx, grid, page_size, [8 - r for r in read[:-1]],
+                          [dim * r for r in read], extra_unit_bytes=0.0)
+
+
+def alloc_bounds(keys, q, idx, grid: Bounds, weight: torch.Tensor, page_size: int = 128) -> Bounds:
+    """The 8-bit grid's code bits read in tiers of ``ALLOC_BITS`` bits per channel on average,
+    each page giving its bits to the channels where they tighten the bound most
+    (``bound_designs.allocate_low_bits`` with ``weight`` ``[H_kv, D]``: ones, or the calibrated
+    mean |q_d|); the last tier gives ``grid``'s 8-bit bound. The allocation is a function of the
+    page's stored steps and the per-model weights; the study counts D/2 bytes per page and KV head
+    for it all the same (a 4-bit count per channel)."""
+    dim = keys.shape[2]
+    budgets = [round(b * dim) for b in ALLOC_BITS]
+    return _tiered_bounds(keys, q, idx, grid, page_size, lambda scale: allocate_low_bits(scale, weight, budgets[:-1]),
+                          budgets, extra_unit_bytes=dim / 2)
+
+
+def _tiered_bounds(keys, q, idx, grid: Bounds, page_size: int, lows, bits_read, extra_unit_bytes: float) -> Bounds:
+    """Bounds of a design that reads the 8-bit codes' bits in tiers: ``lows`` (per tier but the
+    last, the unread low bits: an int, or ``[pages, H_kv, D]``; or a function of the pages' steps
+    giving them), ``bits_read`` (bits per token read after each tier, the last 8·D)."""
     config = LouverConfig(page_size=page_size, grid_bits=8)
     h_kv, dim = keys.shape[1], keys.shape[2]
     groups = q.shape[0] // h_kv
@@ -115,16 +143,18 @@ def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64, planes: tuple[
     ids = torch.arange(idx.start, idx.stop)
     t = store.tensors
     codes = unpack_codes(store.page_codes(ids), 8)
-    prefixes, low = [], 8
-    for width in planes[:-1]:
-        low -= width
+    if callable(lows):
+        lows = lows(t["scale"][ids])
+    prefixes = []
+    for low in lows:
         u = nibble_coarse_bounds(q.view(h_kv, groups, dim), t["lo"][ids], t["scale"][ids], t["radius"][ids], codes,
                                  low_bits=low).reshape(len(ids), page_size, -1)
         prefixes.append(torch.minimum(torch.minimum(u, grid.unit_bound.double()[:, None]),
                                       prefixes[-1] if prefixes else u))
     bound = Bounds(grid.unit_bound, torch.minimum(grid.token_bound.double(), prefixes[-1]), page_size,
-                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim * planes[0] / 8)
-    bound.prefixes, bound.plane_bytes = prefixes, [dim * w / 8 for w in planes[1:]]
+                   index_bytes_per_unit=3 * dim * 2 + extra_unit_bytes, code_bytes_per_token=bits_read[0] / 8)
+    bound.prefixes = prefixes
+    bound.plane_bytes = [(b - a) / 8 for a, b in zip(bits_read, bits_read[1:])]
     bound.coarse = prefixes[0]
     return bound
 
@@ -256,6 +286,10 @@ SPLITS = {64: ((4, 4), (2, 2, 4), (3, 5)),
           128: ((4, 4), (2, 2, 4), (1, 1, 2, 4), (2, 3, 3), (2, 1, 1, 4), (2, 2, 2, 2), (2, 1, 1, 2, 2),
                 (2, 1, 1, 1, 1, 1, 1))}
 RESIDUAL_SPLITS = ((2, 2, 4), (2, 1, 1, 4))  # page 128, the last plane bounded with residual int8 weights
+# the allocated designs' tiers: bits per channel read on average after each (the last: all 8)
+ALLOC_BITS = (1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+# page 128: (name, calibrated weights, last tier with residual int8 weights)
+ALLOCS = (("alloc-p128", False, False), ("allocq-p128", True, False), ("allocqr-p128", True, True))
 
 
 def split_name(planes: tuple[int, ...], page: int, residual: bool = False) -> str:
@@ -268,13 +302,16 @@ def design_names(ranks) -> list[str]:
     names = [f"grid{bits}-p{page}" for bits in (8, 4) for page in (64, 128)] + ["grid8r-p128"]
     names += [split_name(planes, page) for page, splits in SPLITS.items() for planes in splits]
     names += [split_name(planes, 128, residual=True) for planes in RESIDUAL_SPLITS]
+    names += [name for name, _, _ in ALLOCS]
     names += [f"tier{block}-grid8-p64" for block in (8, 16, 32)]
     return names + [f"lowrank{rank}-p64" for rank in ranks]
 
 
-def designs_for(keys, q, idx64, idx128, projections: dict, wanted=None) -> dict[str, tuple[Bounds, range, int]]:
+def designs_for(keys, q, idx64, idx128, projections: dict, weights: torch.Tensor,
+                wanted=None) -> dict[str, tuple[Bounds, range, int]]:
     """The designs named in ``wanted`` (default: all), each as (bounds, indexed pages, page size);
-    a split or tier design builds the 8-bit grid of its page size for its last plane."""
+    a split, allocated or tier design builds the 8-bit grid of its page size for its last tier.
+    ``weights`` ``[H_kv, D]``: the calibrated channel weights of the ``allocq`` designs."""
     wanted = set(design_names(projections) if wanted is None else wanted)
     idx = {64: idx64, 128: idx128}
     grids: dict[tuple[int, int, bool], Bounds] = {}
@@ -296,6 +333,10 @@ def designs_for(keys, q, idx64, idx128, projections: dict, wanted=None) -> dict[
         name = split_name(planes, page, residual)
         if name in wanted:
             out[name] = (split_bounds(keys, q, idx[page], grid(8, page, residual), page, planes), idx[page], page)
+    for name, calibrated, residual in ALLOCS:
+        if name in wanted:
+            weight = weights if calibrated else torch.ones_like(weights)
+            out[name] = (alloc_bounds(keys, q, idx128, grid(8, 128, residual), weight), idx128, 128)
     for block in (8, 16, 32):
         if f"tier{block}-grid8-p64" in wanted:
             out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, grid(8, 64)), idx64, 64)
@@ -313,11 +354,12 @@ def measure_trace(path: Path, calibration: Path, ranks, stride: int, wanted=None
         keys, queries = trace["keys"][layer], trace["queries"][layer]
         projections = {r: calibrate_projection(calib["keys"][layer], r) for r in ranks
                        if wanted is None or f"lowrank{r}-p64" in wanted}
+        weights = calibrate_channel_weights(calib["queries"][layer], keys.shape[1])
         for qi, pos in list(enumerate(trace["query_positions"].tolist()))[::stride]:
             k = keys[: pos + 1]
             idx64 = split_pages(pos + 1, LouverConfig(page_size=64))[1]
             idx128 = split_pages(pos + 1, LouverConfig(page_size=128))[1]
-            for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections, wanted).items():
+            for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections, weights, wanted).items():
                 for policy, r in measure_query(k, queries[qi], sigma, design, bounds, idx, page, 256).items():
                     acc = totals.setdefault((design, policy), dict(parts=dict.fromkeys(PARTS, 0.0), dense=0.0, kept=0,
                                                                    oracle=0, recall=True))
@@ -344,14 +386,14 @@ def main() -> int:
     rows, start = [], time.time()
     for path in map(Path, args.traces):
         other = [Path(t) for t in args.traces if Path(t).name.split("_")[0] != path.name.split("_")[0]]
-        calibration = other[0] if other else path  # the projection comes from another text
+        calibration = other[0] if other else path  # projections and channel weights come from another text
         totals = measure_trace(path, calibration, args.ranks, args.query_stride, args.designs)
         for (design, policy), acc in totals.items():
             moved = sum(acc["parts"].values())
             rows.append(dict(design=design, trace=path.stem, policy=policy, bytes_fraction=moved / acc["dense"],
                              recall=1.0 if acc["recall"] else 0.0, kept_over_oracle=acc["kept"] / max(acc["oracle"], 1),
                              shipped=design in SHIPPED, shipped_on=SHIPPED.get(design, []),
-                             calibrated_on=calibration.stem if design.startswith("lowrank") else None,
+                             calibrated_on=calibration.stem if design.startswith(("lowrank", "allocq")) else None,
                              bytes_by_part={k: v / acc["dense"] for k, v in acc["parts"].items()}))
             print(json.dumps(rows[-1]), flush=True)
         print(f"[index_bytes] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)

@@ -51,7 +51,7 @@ def plot(rows: list[dict], traces: list[str], out: Path) -> None:
         for i, d in enumerate(designs):
             xs = [r["kept_over_oracle"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
             ys = [r["bytes_fraction"] for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
-            marker = ("*" if d.startswith("split") else "o") if i < 20 else ("P" if d.startswith("split") else "s")
+            marker = {"split": "*", "alloc": "D"}.get(d[:5], "o") if i < 20 else {"split": "P", "alloc": "X"}.get(d[:5], "s")
             ax.scatter(xs, ys, label=d, color=colors(i % 20), marker=marker, s=60)
         ax.set_title(policy)
         ax.set_xlabel("union candidates / oracle's")

@@ -2,8 +2,9 @@
 index_bytes.py``; design notes, "Index designs by bytes moved"): plain-torch references of their
 bounds, fp64, each an upper bound of q·k for every key it covers in floating point too.
 
-* ``nibble_coarse_bounds``: the 8-bit grid's codes read as two 4-bit planes; the high nibbles
-  alone give a 16-level cell per channel;
+* ``nibble_coarse_bounds``: the 8-bit grid's codes read as bit planes; the high bits alone give
+  a coarser cell per channel (the same count of bits for every channel, or per channel as
+  ``allocate_low_bits`` gives them out);
 * ``block_minmax_bounds``: a per-channel min/max over a block of tokens, stored in fp16 rounded
   outward;
 * ``lowrank_bounds``: a projection P of the keys with a grid over the projected keys and a
@@ -24,7 +25,7 @@ _SUM64 = 1e-13  # covers the fp64 rounding of a sum of <= 10^3 terms, relative t
 
 
 def nibble_coarse_bounds(q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, radius: torch.Tensor,
-                         codes: torch.Tensor, bits: int = 8, low_bits: int = 4) -> torch.Tensor:
+                         codes: torch.Tensor, bits: int = 8, low_bits: int | torch.Tensor = 4) -> torch.Tensor:
     """Bounds from the high ``bits − low_bits`` bits of each code alone.
 
     A token's b-bit code c lies in [h·2^l, h·2^l + 2^l − 1] for its high part h = c >> l, so its
@@ -33,17 +34,64 @@ def nibble_coarse_bounds(q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
     the page's radius of its center.
 
     q ``[H_kv, G, D]``; lo, scale, radius ``[n, H_kv, D]`` (one page per row); codes ``[n, P, H_kv,
-    D]`` unpacked b-bit codes -> ``[n, P, H_kv, G]`` fp64.
+    D]`` unpacked b-bit codes -> ``[n, P, H_kv, G]`` fp64. ``low_bits`` (the unread low bits l, 0..b):
+    one count for every channel, or one per page, KV head and channel ``[n, H_kv, D]`` (an
+    allocation, ``allocate_low_bits``): the bound holds channel by channel, for any l.
     """
     lo, scale, radius, q = lo.double(), scale.double(), radius.double(), q.double()
-    cell = 1 << low_bits
-    high = (codes.long() >> low_bits).double()
-    center = lo[:, None] + (high * cell + cell / 2) * scale[:, None]  # [n, P, H_kv, D]
+    low = torch.broadcast_to(torch.as_tensor(low_bits, dtype=torch.long), scale.shape)
+    if bool(((low < 0) | (low > bits)).any()):
+        raise ValueError(f"low_bits must lie in [0, {bits}]")
+    cell = torch.pow(2.0, low.double())  # [n, H_kv, D]
+    high = torch.bitwise_right_shift(codes.long(), low[:, None]).double()
+    center = lo[:, None] + (high * cell[:, None] + cell[:, None] / 2) * scale[:, None]  # [n, P, H_kv, D]
     half = (cell - 1) / 2 * scale.abs() + radius + 2.0 ** -23 * (lo.abs() + (1 << bits) * scale.abs())
     dots = torch.einsum("npkd,kgd->npkg", center, q)
     widths = torch.einsum("nkd,kgd->nkg", half, q.abs())[:, None]
     magnitude = torch.einsum("npkd,kgd->npkg", center.abs(), q.abs()) + widths
     return dots + widths + magnitude * _SUM64
+
+
+def allocate_low_bits(scale: torch.Tensor, weight: torch.Tensor, budgets, bits: int = 8) -> list[torch.Tensor]:
+    """Per page, KV head and channel, the low bits a tier leaves unread: the first ``budgets[i]``
+    bits per token go, one at a time, to the channel whose next bit shrinks Σ_d weight_d·|s_d|·2^l_d
+    the most (the cell half-widths the bound adds, weighted), high bits first.
+
+    A bit of channel d at position l (l = b for the top bit) halves a cell of 2^l steps: its gain
+    is weight_d·|s_d|·2^(l−2), so sorting every (channel, bit) by log2(weight_d·|s_d|) + l gives
+    each channel's bits high to low and nested tiers (tier i + 1 reads tier i's bits and more).
+    Any allocation keeps ``nibble_coarse_bounds`` sound; this one makes it tight where the query
+    and the page's spread are large. Zero or non-finite spreads sort last.
+
+    scale ``[n, H_kv, D]`` (the page's grid steps); weight ``[H_kv, D]`` ≥ 0 (``calibrate_channel_
+    weights``, or ones); budgets: increasing bits per token, each ≤ b·D -> one ``[n, H_kv, D]``
+    long tensor of unread low bits per budget."""
+    n, h_kv, dim = scale.shape
+    if weight.shape != (h_kv, dim):
+        raise ValueError(f"weight must be [{h_kv}, {dim}], got {list(weight.shape)}")
+    budgets = list(budgets)
+    if any(b < 0 or b > bits * dim for b in budgets) or budgets != sorted(budgets):
+        raise ValueError(f"budgets must increase within [0, {bits * dim}], got {budgets}")
+    spread = torch.log2(scale.double().abs() * weight.double().clamp(min=0)[None])
+    spread = torch.where(torch.isfinite(spread), spread, -math.inf)
+    position = torch.arange(bits, 0, -1, dtype=torch.float64)
+    key = (spread[..., None] + position).reshape(n, h_kv, dim * bits)
+    channel = torch.sort(key, dim=-1, descending=True, stable=True).indices // bits
+    out = []
+    for budget in budgets:
+        read = torch.zeros(n, h_kv, dim, dtype=torch.long)
+        read.scatter_add_(2, channel[..., :budget], torch.ones_like(channel[..., :budget]))
+        out.append(bits - read)
+    return out
+
+
+def calibrate_channel_weights(queries: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """Per KV head and channel, the mean |q_d| over ``queries`` ``[m, H_q, D]`` and the group's
+    query heads: ``[H_kv, D]`` fp32 (``allocate_low_bits``' weights; non-finite queries count 0)."""
+    q = queries.double().abs()
+    q = torch.where(torch.isfinite(q), q, 0.0)
+    m, h_q, dim = q.shape
+    return q.mean(0).view(h_kv, h_q // h_kv, dim).mean(1).float()
 
 
 def round_to_fp16(x: torch.Tensor, down: bool) -> torch.Tensor:
