@@ -26,11 +26,12 @@ Designs (all sound in floating point; design notes, "Index designs by bytes move
   count a token below the gate's lowest level by its bound so far (as a one-pass kernel would:
   ``triton_tiled``'s window from the safe level); a final ``r``: the last plane's bound with
   residual int8 weights, as ``grid8r``;
-* ``alloc-p128``, ``allocq-p128``, ``allocqr-p128``: the 8-bit codes' bits read in tiers of
-  ``ALLOC_BITS`` bits per channel on average (1.5, 2, 2.5, 3, 4, 5, 6, 7, then 8), each page giving
-  a tier's bits to the channels whose cells they shrink most (``allocate_low_bits``): weighted by
-  the page's grid steps alone, or (``q``) by them times the mean |q_d| per KV head calibrated on
-  *another* trace's queries; ``r``: the last tier with residual int8 weights;
+* ``alloc{n}-p128``, ``allocq{n}-p128``, ``allocq9r-p128``: the 8-bit codes' bits read in n tiers
+  (``ALLOC_TIERS``: 9 tiers at 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8 bits per channel on average; 6 at 1.5,
+  2.5, 4, 6, 7, 8), each page giving a tier's bits to the channels whose cells they shrink most
+  (``allocate_low_bits``): weighted by the page's grid steps alone, or (``q``) by them times the
+  mean |q_d| per KV head calibrated on *another* trace's queries; ``r``: the last tier with
+  residual int8 weights;
 * ``lowrank{r}-p64``: per (layer, KV head) a projection P (the top-r eigenvectors of the keys'
   second moment, calibrated on *another* trace) with an 8-bit grid over the projected keys and,
   per token, ‖k − PᵀPk‖ and ‖P(k − PᵀPk)‖ + ‖Pk − k̃‖ rounded up (fp16), so that
@@ -118,15 +119,16 @@ def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64, planes: tuple[
                           [dim * r for r in read], extra_unit_bytes=0.0)
 
 
-def alloc_bounds(keys, q, idx, grid: Bounds, weight: torch.Tensor, page_size: int = 128) -> Bounds:
-    """The 8-bit grid's code bits read in tiers of ``ALLOC_BITS`` bits per channel on average,
+def alloc_bounds(keys, q, idx, grid: Bounds, weight: torch.Tensor, tiers: tuple[float, ...],
+                 page_size: int = 128) -> Bounds:
+    """The 8-bit grid's code bits read in tiers of ``tiers`` bits per channel on average (the last 8),
     each page giving its bits to the channels where they tighten the bound most
     (``bound_designs.allocate_low_bits`` with ``weight`` ``[H_kv, D]``: ones, or the calibrated
     mean |q_d|); the last tier gives ``grid``'s 8-bit bound. The allocation is a function of the
     page's stored steps and the per-model weights; the study counts D/2 bytes per page and KV head
     for it all the same (a 4-bit count per channel)."""
     dim = keys.shape[2]
-    budgets = [round(b * dim) for b in ALLOC_BITS]
+    budgets = [round(b * dim) for b in tiers]
     return _tiered_bounds(keys, q, idx, grid, page_size, lambda scale: allocate_low_bits(scale, weight, budgets[:-1]),
                           budgets, extra_unit_bytes=dim / 2)
 
@@ -286,10 +288,11 @@ SPLITS = {64: ((4, 4), (2, 2, 4), (3, 5)),
           128: ((4, 4), (2, 2, 4), (1, 1, 2, 4), (2, 3, 3), (2, 1, 1, 4), (2, 2, 2, 2), (2, 1, 1, 2, 2),
                 (2, 1, 1, 1, 1, 1, 1))}
 RESIDUAL_SPLITS = ((2, 2, 4), (2, 1, 1, 4))  # page 128, the last plane bounded with residual int8 weights
-# the allocated designs' tiers: bits per channel read on average after each (the last: all 8)
-ALLOC_BITS = (1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
-# page 128: (name, calibrated weights, last tier with residual int8 weights)
-ALLOCS = (("alloc-p128", False, False), ("allocq-p128", True, False), ("allocqr-p128", True, True))
+# the allocated designs' tiers, by their count: bits per channel read on average after each (the last: all 8)
+ALLOC_TIERS = {9: (1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0), 6: (1.5, 2.5, 4.0, 6.0, 7.0, 8.0)}
+# page 128: (name, tiers, calibrated weights, last tier with residual int8 weights)
+ALLOCS = (("alloc9-p128", 9, False, False), ("allocq9-p128", 9, True, False), ("allocq9r-p128", 9, True, True),
+          ("allocq6-p128", 6, True, False))
 
 
 def split_name(planes: tuple[int, ...], page: int, residual: bool = False) -> str:
@@ -302,7 +305,7 @@ def design_names(ranks) -> list[str]:
     names = [f"grid{bits}-p{page}" for bits in (8, 4) for page in (64, 128)] + ["grid8r-p128"]
     names += [split_name(planes, page) for page, splits in SPLITS.items() for planes in splits]
     names += [split_name(planes, 128, residual=True) for planes in RESIDUAL_SPLITS]
-    names += [name for name, _, _ in ALLOCS]
+    names += [name for name, *_ in ALLOCS]
     names += [f"tier{block}-grid8-p64" for block in (8, 16, 32)]
     return names + [f"lowrank{rank}-p64" for rank in ranks]
 
@@ -333,10 +336,10 @@ def designs_for(keys, q, idx64, idx128, projections: dict, weights: torch.Tensor
         name = split_name(planes, page, residual)
         if name in wanted:
             out[name] = (split_bounds(keys, q, idx[page], grid(8, page, residual), page, planes), idx[page], page)
-    for name, calibrated, residual in ALLOCS:
+    for name, tiers, calibrated, residual in ALLOCS:
         if name in wanted:
             weight = weights if calibrated else torch.ones_like(weights)
-            out[name] = (alloc_bounds(keys, q, idx128, grid(8, 128, residual), weight), idx128, 128)
+            out[name] = (alloc_bounds(keys, q, idx128, grid(8, 128, residual), weight, ALLOC_TIERS[tiers]), idx128, 128)
     for block in (8, 16, 32):
         if f"tier{block}-grid8-p64" in wanted:
             out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, grid(8, 64)), idx64, 64)
