@@ -9,6 +9,10 @@ policy, summed over KV heads and queries:
   union of candidates, the V rows attended (the budget policy's value gate: exact score at least
   T), the dense part (sink page, recent page, tail: K and V) and the sample's K rows, each part
   also alone (``bytes_by_part``: ``PARTS``; ``codes`` is the first plane of a split design);
+* the same bytes with each plane's reads counted in whole 32-byte sectors
+  (``bytes_fraction_sectors``: a plane stores a page's tokens one after another, and a read token
+  costs every sector its bytes touch, as a GPU reads memory; every other part is read in whole
+  rows or pages already);
 * recall of {exact fp64 score ≥ T} (must be exactly 1.0; the study fails otherwise);
 * kept over oracle: union candidates over the oracle's union (budget: the keys whose exact score
   reaches T; certified: the fewest highest-scoring keys whose complement's true mass is ≤ ε·Z).
@@ -74,6 +78,7 @@ SHIPPED = {"grid8-p64": ["gpu (nvidia_h200.json, defaults)"], "grid4-p128": ["cp
            "grid4-p64": ["cpu (cpu_amd_epyc_avx2.float32.json)"],
            "grid8-p128": ["cpu (cpu_intel_r_xeon_r_processor_avx512.float32.json)"]}
 POLICIES = (("budget0.05", None), ("certified1e-2", 1e-2), ("certified1e-3", 1e-3))
+SECTOR = 32  # bytes: the smallest unit a GPU reads from memory (a CPU cache line is 64)
 
 
 @dataclass
@@ -268,11 +273,29 @@ def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: i
             oracle = oracle_keep(c, eps).t().reshape(h_kv, groups, -1).any(1)
         parts, dense_bytes = step_bytes(bounds, keep_unit, union.t(), s_idx.t().float(),
                                         t if eps is None else None, float(dense.sum()), n, len(sample), dim, groups)
+        plane_sectors = 0.0
         for reads, nbytes in plane_reads:
-            parts["planes"] += float(reads.view(-1, h_kv, groups).any(-1).sum()) * nbytes
+            tokens = reads.view(-1, h_kv, groups).any(-1)  # [n_idx, H_kv]
+            parts["planes"] += float(tokens.sum()) * nbytes
+            plane_sectors += sector_bytes(tokens.view(-1, bounds.unit, h_kv), nbytes)
         out[policy] = dict(parts=parts, dense=dense_bytes, kept=int(union.sum()), oracle=int(oracle.sum()),
-                           recall_ok=recall_ok)
+                           recall_ok=recall_ok, plane_sectors=plane_sectors)
     return out
+
+
+def sector_bytes(tokens: torch.Tensor, nbytes: float, sector: int = SECTOR) -> float:
+    """Bytes a plane's reads touch in whole ``sector``-byte sectors: each unit (page) stores the
+    plane token after token (``nbytes`` per token), and a read token touches every sector its
+    bytes overlap. tokens ``[U, unit, H_kv]`` bool (the tokens that read the plane)."""
+    units, unit, h_kv = tokens.shape
+    start = torch.arange(unit, dtype=torch.float64) * nbytes
+    first = torch.div(start, sector, rounding_mode="floor").long()
+    last = torch.div(start + nbytes - 1, sector, rounding_mode="floor").long()
+    touched = torch.zeros(units, int(last[-1]) + 1, h_kv, dtype=torch.int32)
+    for offset in range(int((last - first).max()) + 1):
+        sec = torch.minimum(first + offset, last)  # [unit]: the offset-th sector of each token (capped)
+        touched.index_add_(1, sec, tokens.int())
+    return float((touched > 0).sum()) * sector
 
 
 def _window_floor(ref, z_lb, n_idx: int, sigma: float, eps: float, start: int = 4) -> torch.Tensor:
@@ -365,13 +388,14 @@ def measure_trace(path: Path, calibration: Path, ranks, stride: int, wanted=None
             for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections, weights, wanted).items():
                 for policy, r in measure_query(k, queries[qi], sigma, design, bounds, idx, page, 256).items():
                     acc = totals.setdefault((design, policy), dict(parts=dict.fromkeys(PARTS, 0.0), dense=0.0, kept=0,
-                                                                   oracle=0, recall=True))
+                                                                   oracle=0, recall=True, plane_sectors=0.0))
                     for part, nbytes in r["parts"].items():
                         acc["parts"][part] += nbytes
                     acc["dense"] += r["dense"]
                     acc["kept"] += r["kept"]
                     acc["oracle"] += r["oracle"]
                     acc["recall"] &= r["recall_ok"]
+                    acc["plane_sectors"] += r["plane_sectors"]
     return totals
 
 
@@ -397,7 +421,8 @@ def main() -> int:
                              recall=1.0 if acc["recall"] else 0.0, kept_over_oracle=acc["kept"] / max(acc["oracle"], 1),
                              shipped=design in SHIPPED, shipped_on=SHIPPED.get(design, []),
                              calibrated_on=calibration.stem if design.startswith(("lowrank", "allocq")) else None,
-                             bytes_by_part={k: v / acc["dense"] for k, v in acc["parts"].items()}))
+                             bytes_by_part={k: v / acc["dense"] for k, v in acc["parts"].items()},
+                             bytes_fraction_sectors=(moved - acc["parts"]["planes"] + acc["plane_sectors"]) / acc["dense"]))
             print(json.dumps(rows[-1]), flush=True)
         print(f"[index_bytes] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(stamped({"config": vars(args), "rows": rows}), indent=1) + "\n")
