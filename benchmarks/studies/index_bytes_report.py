@@ -38,6 +38,21 @@ def parts_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.0
     return "\n".join(lines)
 
 
+def sectors_markdown(rows: list[dict], traces: list[str]) -> str:
+    """The designs that read planes or tiers: bytes per token against bytes in whole 32-byte
+    sectors (``bytes_fraction_sectors``), per trace and policy."""
+    designs = [d for d in dict.fromkeys(r["design"] for r in rows) if d.startswith(("split", "alloc"))]
+    cell = {(r["design"], r["trace"], r["policy"]): r for r in rows}
+    lines = ["| design | " + " | ".join(f"{t} {p}" for t in traces for p in POLICIES) + " |",
+             "|" + "---|" * (1 + len(traces) * len(POLICIES))]
+    for d in designs:
+        vals = [cell.get((d, t, p)) for t in traces for p in POLICIES]
+        text = [f"{v['bytes_fraction']:.3f} → {v['bytes_fraction_sectors']:.3f}" if v and "bytes_fraction_sectors" in v
+                else "-" for v in vals]
+        lines.append(f"| `{d}` | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], traces: list[str], out: Path) -> None:
     import matplotlib
 
@@ -73,6 +88,8 @@ def main() -> None:
     print(markdown(rows, args.traces))
     print()
     print(parts_markdown(rows, args.traces))
+    print()
+    print(sectors_markdown(rows, args.traces))
     if args.plot:
         plot(rows, args.traces, Path(args.plot))
 
