@@ -13,6 +13,9 @@ policy, summed over KV heads and queries:
   (``bytes_fraction_sectors``: a plane stores a page's tokens one after another, and a read token
   costs every sector its bytes touch, as a GPU reads memory; every other part is read in whole
   rows or pages already);
+* for designs with planes or tiers, the share of tokens (union of the group) that read past the
+  first one and of 16-token blocks holding any (``past_first_tokens``, ``past_first_blocks16``:
+  whether a SIMD scan over 16-token blocks could skip the later bits);
 * recall of {exact fp64 score ≥ T} (must be exactly 1.0; the study fails otherwise);
 * kept over oracle: union candidates over the oracle's union (budget: the keys whose exact score
   reaches T; certified: the fewest highest-scoring keys whose complement's true mass is ≤ ε·Z).
@@ -273,13 +276,16 @@ def measure_query(keys, q, sigma, design: str, bounds: Bounds, idx, page_size: i
             oracle = oracle_keep(c, eps).t().reshape(h_kv, groups, -1).any(1)
         parts, dense_bytes = step_bytes(bounds, keep_unit, union.t(), s_idx.t().float(),
                                         t if eps is None else None, float(dense.sum()), n, len(sample), dim, groups)
-        plane_sectors = 0.0
-        for reads, nbytes in plane_reads:
+        plane_sectors, past_first = 0.0, [0.0, 0.0, 0.0, 0.0]
+        for i, (reads, nbytes) in enumerate(plane_reads):
             tokens = reads.view(-1, h_kv, groups).any(-1)  # [n_idx, H_kv]
             parts["planes"] += float(tokens.sum()) * nbytes
             plane_sectors += sector_bytes(tokens.view(-1, bounds.unit, h_kv), nbytes)
+            if i == 0:  # past the first tier: tokens, and 16-token blocks with any (a SIMD scan's unit)
+                blocks = tokens.view(-1, 16, h_kv).any(1)
+                past_first = [float(tokens.sum()), tokens.numel(), float(blocks.sum()), blocks.numel()]
         out[policy] = dict(parts=parts, dense=dense_bytes, kept=int(union.sum()), oracle=int(oracle.sum()),
-                           recall_ok=recall_ok, plane_sectors=plane_sectors)
+                           recall_ok=recall_ok, plane_sectors=plane_sectors, past_first=past_first)
     return out
 
 
@@ -388,7 +394,8 @@ def measure_trace(path: Path, calibration: Path, ranks, stride: int, wanted=None
             for design, (bounds, idx, page) in designs_for(k, queries[qi], idx64, idx128, projections, weights, wanted).items():
                 for policy, r in measure_query(k, queries[qi], sigma, design, bounds, idx, page, 256).items():
                     acc = totals.setdefault((design, policy), dict(parts=dict.fromkeys(PARTS, 0.0), dense=0.0, kept=0,
-                                                                   oracle=0, recall=True, plane_sectors=0.0))
+                                                                   oracle=0, recall=True, plane_sectors=0.0,
+                                                                   past_first=[0.0, 0.0, 0.0, 0.0]))
                     for part, nbytes in r["parts"].items():
                         acc["parts"][part] += nbytes
                     acc["dense"] += r["dense"]
@@ -396,7 +403,16 @@ def measure_trace(path: Path, calibration: Path, ranks, stride: int, wanted=None
                     acc["oracle"] += r["oracle"]
                     acc["recall"] &= r["recall_ok"]
                     acc["plane_sectors"] += r["plane_sectors"]
+                    acc["past_first"] = [a + b for a, b in zip(acc["past_first"], r["past_first"])]
     return totals
+
+
+def _past_first(sums) -> dict:
+    """The share of indexed tokens (union of the group) that read past a design's first plane or
+    tier, and of 16-token blocks holding any: None for designs without planes."""
+    tokens, n_tokens, blocks, n_blocks = sums
+    return dict(past_first_tokens=tokens / n_tokens if n_tokens else None,
+                past_first_blocks16=blocks / n_blocks if n_blocks else None)
 
 
 def main() -> int:
@@ -422,7 +438,8 @@ def main() -> int:
                              shipped=design in SHIPPED, shipped_on=SHIPPED.get(design, []),
                              calibrated_on=calibration.stem if design.startswith(("lowrank", "allocq")) else None,
                              bytes_by_part={k: v / acc["dense"] for k, v in acc["parts"].items()},
-                             bytes_fraction_sectors=(moved - acc["parts"]["planes"] + acc["plane_sectors"]) / acc["dense"]))
+                             bytes_fraction_sectors=(moved - acc["parts"]["planes"] + acc["plane_sectors"]) / acc["dense"],
+                             **_past_first(acc["past_first"])))
             print(json.dumps(rows[-1]), flush=True)
         print(f"[index_bytes] {path}: done ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(stamped({"config": vars(args), "rows": rows}), indent=1) + "\n")
