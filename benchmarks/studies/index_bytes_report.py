@@ -53,6 +53,20 @@ def sectors_markdown(rows: list[dict], traces: list[str]) -> str:
     return "\n".join(lines)
 
 
+def past_first_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.05") -> str:
+    """Under ``policy``, per trace: the share of tokens (union of the group) that read past each
+    plane or tier design's first one, and of 16-token blocks holding any."""
+    designs = list(dict.fromkeys(r["design"] for r in rows if r.get("past_first_tokens") is not None))
+    cell = {(r["design"], r["trace"]): r for r in rows if r["policy"] == policy}
+    lines = [f"| design ({policy}) | " + " | ".join(f"{t} tokens / 16-token blocks" for t in traces) + " |",
+             "|" + "---|" * (1 + len(traces))]
+    for d in designs:
+        vals = [cell.get((d, t)) for t in traces]
+        text = [f"{v['past_first_tokens']:.2f} / {v['past_first_blocks16']:.2f}" if v else "-" for v in vals]
+        lines.append(f"| `{d}` | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], traces: list[str], out: Path) -> None:
     import matplotlib
 
@@ -90,6 +104,8 @@ def main() -> None:
     print(parts_markdown(rows, args.traces))
     print()
     print(sectors_markdown(rows, args.traces))
+    print()
+    print(past_first_markdown(rows, args.traces))
     if args.plot:
         plot(rows, args.traces, Path(args.plot))
 
