@@ -98,14 +98,22 @@ class Bounds:
     units_per_extra: int = 1
 
 
-def grid_bounds(keys, q, page_size: int, bits: int, idx, residual: bool = False) -> Bounds:
+def grid_store(keys, page_size: int, bits: int, idx) -> PageIndexStore:
+    """The grid index of ``keys``' first ``idx.stop`` pages (``bits``-bit codes, page ``page_size``)."""
+    store = PageIndexStore(LouverConfig(page_size=page_size, grid_bits=bits), idx.stop + 1, keys.shape[1],
+                           keys.shape[2], keys.dtype)
+    store.build_pages(keys[: idx.stop * page_size], torch.arange(idx.stop))
+    return store
+
+
+def grid_bounds(keys, q, page_size: int, bits: int, idx, residual: bool = False,
+                store: PageIndexStore | None = None) -> Bounds:
     """Today's grid (int8 token bounds, as the kernels gate; ``residual``: with the compiled CPU
-    step's residual int8 weights, ``CpuLaunch.residual_weights``)."""
-    config = LouverConfig(page_size=page_size, grid_bits=bits)
+    step's residual int8 weights, ``CpuLaunch.residual_weights``); ``store``: ``grid_store`` of the
+    same keys, page size and bits, when the caller has it."""
     h_kv, dim = keys.shape[1], keys.shape[2]
     pages = idx.stop - idx.start
-    store = PageIndexStore(config, idx.stop + 1, h_kv, dim, keys.dtype)
-    store.build_pages(keys[: idx.stop * page_size], torch.arange(idx.stop))
+    store = store or grid_store(keys, page_size, bits, idx)
     ids = torch.arange(idx.start, idx.stop)
     groups = q.shape[0] // h_kv
     rows = q.float().view(1, h_kv, groups, dim).expand(pages, -1, -1, -1).contiguous()
@@ -116,49 +124,56 @@ def grid_bounds(keys, q, page_size: int, bits: int, idx, residual: bool = False)
                   index_bytes_per_unit=3 * dim * 2, code_bytes_per_token=dim * bits / 8)
 
 
-def split_bounds(keys, q, idx, grid: Bounds, page_size: int = 64, planes: tuple[int, ...] = (4, 4)) -> Bounds:
+@dataclass
+class GridPages:
+    """What the tiered designs read of an 8-bit grid's indexed pages: the page terms lo, scale,
+    radius ``[pages, H_kv, D]`` and the unpacked codes ``[pages, P, H_kv, D]``."""
+
+    lo: torch.Tensor
+    scale: torch.Tensor
+    radius: torch.Tensor
+    codes: torch.Tensor
+
+    @classmethod
+    def of(cls, store: PageIndexStore, idx) -> "GridPages":
+        ids = torch.arange(idx.start, idx.stop)
+        t = store.tensors
+        return cls(t["lo"][ids], t["scale"][ids], t["radius"][ids], unpack_codes(store.page_codes(ids), 8))
+
+
+def split_bounds(q, pages: GridPages, grid: Bounds, planes: tuple[int, ...] = (4, 4)) -> Bounds:
     """The 8-bit grid's codes stored as bit planes of widths ``planes`` (high bits first): each
     prefix of planes bounds a token by its cell (``bound_designs.nibble_coarse_bounds``); a step
     reads the next plane only for tokens whose bound so far reaches the gate, and the last gives
     ``grid``'s 8-bit bound. ``prefixes`` holds the bounds after each plane but the last."""
-    dim = keys.shape[2]
+    dim = pages.scale.shape[-1]
     read = [sum(planes[: i + 1]) for i in range(len(planes))]  # high bits per channel after each plane
-    return _tiered_bounds(keys, q, idx, grid, page_size, [8 - r for r in read[:-1]],
-                          [dim * r for r in read], extra_unit_bytes=0.0)
+    return _tiered_bounds(q, pages, grid, [8 - r for r in read[:-1]], [dim * r for r in read], extra_unit_bytes=0.0)
 
 
-def alloc_bounds(keys, q, idx, grid: Bounds, weight: torch.Tensor, tiers: tuple[float, ...],
-                 page_size: int = 128) -> Bounds:
+def alloc_bounds(q, pages: GridPages, grid: Bounds, weight: torch.Tensor, tiers: tuple[float, ...]) -> Bounds:
     """The 8-bit grid's code bits read in tiers of ``tiers`` bits per channel on average (the last 8),
     each page giving its bits to the channels where they tighten the bound most
     (``bound_designs.allocate_low_bits`` with ``weight`` ``[H_kv, D]``: ones, or the calibrated
     mean |q_d|); the last tier gives ``grid``'s 8-bit bound. The allocation is a function of the
     page's stored steps and the per-model weights; the study counts D/2 bytes per page and KV head
     for it all the same (a 4-bit count per channel)."""
-    dim = keys.shape[2]
+    dim = pages.scale.shape[-1]
     budgets = [round(b * dim) for b in tiers]
-    return _tiered_bounds(keys, q, idx, grid, page_size, lambda scale: allocate_low_bits(scale, weight, budgets[:-1]),
-                          budgets, extra_unit_bytes=dim / 2)
+    return _tiered_bounds(q, pages, grid, allocate_low_bits(pages.scale, weight, budgets[:-1]), budgets,
+                          extra_unit_bytes=dim / 2)
 
 
-def _tiered_bounds(keys, q, idx, grid: Bounds, page_size: int, lows, bits_read, extra_unit_bytes: float) -> Bounds:
+def _tiered_bounds(q, pages: GridPages, grid: Bounds, lows, bits_read, extra_unit_bytes: float) -> Bounds:
     """Bounds of a design that reads the 8-bit codes' bits in tiers: ``lows`` (per tier but the
-    last, the unread low bits: an int, or ``[pages, H_kv, D]``; or a function of the pages' steps
-    giving them), ``bits_read`` (bits per token read after each tier, the last 8·D)."""
-    config = LouverConfig(page_size=page_size, grid_bits=8)
-    h_kv, dim = keys.shape[1], keys.shape[2]
-    groups = q.shape[0] // h_kv
-    store = PageIndexStore(config, idx.stop + 1, h_kv, dim, keys.dtype)
-    store.build_pages(keys[: idx.stop * page_size], torch.arange(idx.stop))
-    ids = torch.arange(idx.start, idx.stop)
-    t = store.tensors
-    codes = unpack_codes(store.page_codes(ids), 8)
-    if callable(lows):
-        lows = lows(t["scale"][ids])
+    last, the unread low bits: an int, or ``[pages, H_kv, D]``), ``bits_read`` (bits per token
+    read after each tier, the last 8·D)."""
+    n, page_size, h_kv, dim = pages.codes.shape
+    qg = q.view(h_kv, q.shape[0] // h_kv, dim)
     prefixes = []
     for low in lows:
-        u = nibble_coarse_bounds(q.view(h_kv, groups, dim), t["lo"][ids], t["scale"][ids], t["radius"][ids], codes,
-                                 low_bits=low).reshape(len(ids), page_size, -1)
+        u = nibble_coarse_bounds(qg, pages.lo, pages.scale, pages.radius, pages.codes,
+                                 low_bits=low).reshape(n, page_size, -1)
         prefixes.append(torch.minimum(torch.minimum(u, grid.unit_bound.double()[:, None]),
                                       prefixes[-1] if prefixes else u))
     bound = Bounds(grid.unit_bound, torch.minimum(grid.token_bound.double(), prefixes[-1]), page_size,
@@ -347,11 +362,23 @@ def designs_for(keys, q, idx64, idx128, projections: dict, weights: torch.Tensor
     wanted = set(design_names(projections) if wanted is None else wanted)
     idx = {64: idx64, 128: idx128}
     grids: dict[tuple[int, int, bool], Bounds] = {}
+    stores: dict[tuple[int, int], PageIndexStore] = {}  # one index per (bits, page) for every design
+    planes: dict[int, GridPages] = {}
+
+    def store(bits: int, page: int) -> PageIndexStore:
+        if (bits, page) not in stores:
+            stores[bits, page] = grid_store(keys, page, bits, idx[page])
+        return stores[bits, page]
 
     def grid(bits: int, page: int, residual: bool = False) -> Bounds:
         if (bits, page, residual) not in grids:
-            grids[bits, page, residual] = grid_bounds(keys, q, page, bits, idx[page], residual)
+            grids[bits, page, residual] = grid_bounds(keys, q, page, bits, idx[page], residual, store(bits, page))
         return grids[bits, page, residual]
+
+    def pages8(page: int) -> GridPages:
+        if page not in planes:
+            planes[page] = GridPages.of(store(8, page), idx[page])
+        return planes[page]
 
     out = {}
     for bits in (8, 4):
@@ -360,15 +387,15 @@ def designs_for(keys, q, idx64, idx128, projections: dict, weights: torch.Tensor
                 out[f"grid{bits}-p{page}"] = (grid(bits, page), idx[page], page)
     if "grid8r-p128" in wanted:
         out["grid8r-p128"] = (grid(8, 128, True), idx128, 128)
-    splits = [(planes, page, False) for page, by_page in SPLITS.items() for planes in by_page]
-    for planes, page, residual in splits + [(planes, 128, True) for planes in RESIDUAL_SPLITS]:
-        name = split_name(planes, page, residual)
+    splits = [(widths, page, False) for page, by_page in SPLITS.items() for widths in by_page]
+    for widths, page, residual in splits + [(widths, 128, True) for widths in RESIDUAL_SPLITS]:
+        name = split_name(widths, page, residual)
         if name in wanted:
-            out[name] = (split_bounds(keys, q, idx[page], grid(8, page, residual), page, planes), idx[page], page)
+            out[name] = (split_bounds(q, pages8(page), grid(8, page, residual), widths), idx[page], page)
     for name, tiers, calibrated, residual in ALLOCS:
         if name in wanted:
             weight = weights if calibrated else torch.ones_like(weights)
-            out[name] = (alloc_bounds(keys, q, idx128, grid(8, 128, residual), weight, ALLOC_TIERS[tiers]), idx128, 128)
+            out[name] = (alloc_bounds(q, pages8(128), grid(8, 128, residual), weight, ALLOC_TIERS[tiers]), idx128, 128)
     for block in (8, 16, 32):
         if f"tier{block}-grid8-p64" in wanted:
             out[f"tier{block}-grid8-p64"] = (tier_bounds(keys, q, block, idx64, grid(8, 64)), idx64, 64)

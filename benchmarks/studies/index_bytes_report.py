@@ -12,17 +12,22 @@ from pathlib import Path
 POLICIES = ("budget0.05", "certified1e-2", "certified1e-3")
 
 
+def _table(first: str, columns: list[str], rows: dict[str, list[str]]) -> str:
+    """A markdown table: a header (``first``, then ``columns``) and one line per row label."""
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|" + "---|" * (1 + len(columns))]
+    return "\n".join(lines + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows.items()])
+
+
 def markdown(rows: list[dict], traces: list[str]) -> str:
     designs = list(dict.fromkeys(r["design"] for r in rows))
     cell = {(r["design"], r["trace"], r["policy"]): r for r in rows}
-    head = "| design | " + " | ".join(f"{t} {p}" for t in traces for p in POLICIES) + " |"
-    lines = [head, "|" + "---|" * (1 + len(traces) * len(POLICIES))]
+    keys = [(t, p) for t in traces for p in POLICIES]
+    table = {}
     for d in designs:
         shipped = " (shipped)" if any(r["shipped"] for r in rows if r["design"] == d) else ""
-        vals = [cell.get((d, t, p)) for t in traces for p in POLICIES]
-        text = [f"{v['bytes_fraction']:.3f} ({v['kept_over_oracle']:.2f}x)" if v else "-" for v in vals]
-        lines.append(f"| `{d}`{shipped} | " + " | ".join(text) + " |")
-    return "\n".join(lines)
+        vals = [cell.get((d, t, p)) for t, p in keys]
+        table[f"`{d}`{shipped}"] = [f"{v['bytes_fraction']:.3f} ({v['kept_over_oracle']:.2f}x)" if v else "-" for v in vals]
+    return _table("design", [f"{t} {p}" for t, p in keys], table)
 
 
 def parts_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.05") -> str:
@@ -30,12 +35,12 @@ def parts_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.0
     from benchmarks.studies.index_bytes import PARTS
 
     designs = list(dict.fromkeys(r["design"] for r in rows if "bytes_by_part" in r))
-    lines = [f"| design ({policy}) | " + " | ".join(PARTS) + " | total |", "|" + "---|" * (len(PARTS) + 2)]
+    table = {}
     for d in designs:
         picked = [r for r in rows if r["design"] == d and r["policy"] == policy and r["trace"] in traces]
         mean = {k: sum(r["bytes_by_part"][k] for r in picked) / len(picked) for k in PARTS}
-        lines.append(f"| `{d}` | " + " | ".join(f"{mean[k]:.3f}" for k in PARTS) + f" | {sum(mean.values()):.3f} |")
-    return "\n".join(lines)
+        table[f"`{d}`"] = [f"{mean[k]:.3f}" for k in PARTS] + [f"{sum(mean.values()):.3f}"]
+    return _table(f"design ({policy})", [*PARTS, "total"], table)
 
 
 def sectors_markdown(rows: list[dict], traces: list[str]) -> str:
@@ -43,14 +48,11 @@ def sectors_markdown(rows: list[dict], traces: list[str]) -> str:
     sectors (``bytes_fraction_sectors``), per trace and policy."""
     designs = [d for d in dict.fromkeys(r["design"] for r in rows) if d.startswith(("split", "alloc"))]
     cell = {(r["design"], r["trace"], r["policy"]): r for r in rows}
-    lines = ["| design | " + " | ".join(f"{t} {p}" for t in traces for p in POLICIES) + " |",
-             "|" + "---|" * (1 + len(traces) * len(POLICIES))]
-    for d in designs:
-        vals = [cell.get((d, t, p)) for t in traces for p in POLICIES]
-        text = [f"{v['bytes_fraction']:.3f} → {v['bytes_fraction_sectors']:.3f}" if v and "bytes_fraction_sectors" in v
-                else "-" for v in vals]
-        lines.append(f"| `{d}` | " + " | ".join(text) + " |")
-    return "\n".join(lines)
+    keys = [(t, p) for t in traces for p in POLICIES]
+    table = {f"`{d}`": [f"{v['bytes_fraction']:.3f} → {v['bytes_fraction_sectors']:.3f}"
+                        if v and "bytes_fraction_sectors" in v else "-"
+                        for v in (cell.get((d, t, p)) for t, p in keys)] for d in designs}
+    return _table("design", [f"{t} {p}" for t, p in keys], table)
 
 
 def past_first_markdown(rows: list[dict], traces: list[str], policy: str = "budget0.05") -> str:
@@ -58,13 +60,9 @@ def past_first_markdown(rows: list[dict], traces: list[str], policy: str = "budg
     plane or tier design's first one, and of 16-token blocks holding any."""
     designs = list(dict.fromkeys(r["design"] for r in rows if r.get("past_first_tokens") is not None))
     cell = {(r["design"], r["trace"]): r for r in rows if r["policy"] == policy}
-    lines = [f"| design ({policy}) | " + " | ".join(f"{t} tokens / 16-token blocks" for t in traces) + " |",
-             "|" + "---|" * (1 + len(traces))]
-    for d in designs:
-        vals = [cell.get((d, t)) for t in traces]
-        text = [f"{v['past_first_tokens']:.2f} / {v['past_first_blocks16']:.2f}" if v else "-" for v in vals]
-        lines.append(f"| `{d}` | " + " | ".join(text) + " |")
-    return "\n".join(lines)
+    table = {f"`{d}`": [f"{v['past_first_tokens']:.2f} / {v['past_first_blocks16']:.2f}" if v else "-"
+                        for v in (cell.get((d, t)) for t in traces)] for d in designs}
+    return _table(f"design ({policy})", [f"{t} tokens / 16-token blocks" for t in traces], table)
 
 
 def plot(rows: list[dict], traces: list[str], out: Path) -> None:

@@ -90,7 +90,7 @@ def calibrate_channel_weights(queries: torch.Tensor, h_kv: int) -> torch.Tensor:
     query heads: ``[H_kv, D]`` fp32 (``allocate_low_bits``' weights; non-finite queries count 0)."""
     q = queries.double().abs()
     q = torch.where(torch.isfinite(q), q, 0.0)
-    m, h_q, dim = q.shape
+    _, h_q, dim = q.shape
     return q.mean(0).view(h_kv, h_q // h_kv, dim).mean(1).float()
 
 
