@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .server import YARN_32K_ARGS, ServerProcess, free_port, stop_servers_on_sigterm, wait_ready
+from .server import YARN_32K_ARGS, ServerProcess, free_port, start_all, stop_servers_on_sigterm
 
 POLICIES = ("cache_aware", "round_robin")
 # SGLang's /health runs a one-token generation and waits up to 20 s for the scheduler to answer;
@@ -62,14 +62,6 @@ def louver_workers(model: str | Path, count: int, log_dir: Path, env: dict[str, 
         workers.append(ServerProcess(model, "louver", free_port(), worker_env, extra, log_dir / f"worker-{i}.log",
                                      max_total_tokens, cpus=cpus))
     return workers
-
-
-def start_all(workers: list[ServerProcess], timeout: float = 600.0) -> None:
-    """Launch every worker at once, then wait for each (their startups overlap)."""
-    for worker in workers:
-        worker.launch()
-    for worker in workers:
-        wait_ready(worker.url, worker.proc, timeout)
 
 
 @contextmanager

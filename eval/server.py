@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 # SmolLM2's 8K context stretched to 32K by YaRN, as scripts/run.sh serves it (SGLang reads the
@@ -58,6 +59,33 @@ def sglang_server(model: str | Path, backend: str, port: int, env: dict[str, str
         yield server.url
     finally:
         server.stop()
+
+
+@contextmanager
+def sglang_servers(servers: list[ServerProcess], timeout: float = 600.0) -> Iterator[list[str]]:
+    """Yield the base URLs of ``servers``, launched at once (their startups, mostly single-threaded
+    imports and model loading, overlap), and stop every one of them on exit. A test that queries
+    one server after another can stop each when it is done (``ServerProcess.stop`` is idempotent):
+    give them ``--sleep-on-idle`` (``SLEEP_ON_IDLE``) so that the idle ones leave the cores alone."""
+    try:
+        start_all(servers, timeout)
+        yield [server.url for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def start_all(servers: list[ServerProcess], timeout: float = 600.0) -> None:
+    """Launch every server at once, then wait for each (their startups overlap)."""
+    for server in servers:
+        server.launch()
+    for server in servers:
+        wait_ready(server.url, server.proc, timeout)
+
+
+# An idle SGLang scheduler polls its sockets without pause; with this flag it sleeps between
+# requests, so that servers started together do not slow down the one being queried
+SLEEP_ON_IDLE = ["--sleep-on-idle"]
 
 
 class ServerProcess:

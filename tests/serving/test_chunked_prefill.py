@@ -13,7 +13,7 @@ import json
 import random
 
 from louver_eval.data.tiny_model import make_tiny_llama
-from louver_eval.server import free_port, generate, sglang_server
+from louver_eval.server import SLEEP_ON_IDLE, ServerProcess, free_port, generate, sglang_servers
 
 PAGE, CHUNK, NEW_TOKENS = 16, 64, 8
 CHUNKED = ["--chunked-prefill-size", str(CHUNK), "--dtype", "float32"]
@@ -31,10 +31,13 @@ def test_chunked_prefill_matches_dense_and_builds_every_chunk(tmp_path):
             "dense": ("louver", {**LOUVER, "LOUVER_POLICY": "dense"}),
             "certified": ("louver", {**LOUVER, "LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-3",
                                      "LOUVER_STATS_FILE": str(stats)})}
+    servers = {name: ServerProcess(model, backend, free_port(), env, CHUNKED + SLEEP_ON_IDLE, tmp_path / f"{name}.log")
+               for name, (backend, env) in runs.items()}
     outputs = {}
-    for name, (backend, env) in runs.items():
-        with sglang_server(model, backend, free_port(), env, CHUNKED, log_path=tmp_path / f"{name}.log") as url:
-            outputs[name] = [generate(url, p, max_new_tokens=NEW_TOKENS) for p in prompts]
+    with sglang_servers(list(servers.values())):  # one server queried at a time, the others asleep
+        for name, server in servers.items():
+            outputs[name] = [generate(server.url, p, max_new_tokens=NEW_TOKENS) for p in prompts]
+            server.stop()  # writes its stats file
     ids = {name: [o["output_ids"] for o in outs] for name, outs in outputs.items()}
     assert ids["dense"] == ids["torch_native"]
     counters = json.loads(stats.read_text())

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from louver_eval.data.tiny_model import make_tiny_llama
-from louver_eval.server import free_port, generate, post_json, sglang_server
+from louver_eval.server import SLEEP_ON_IDLE, ServerProcess, free_port, generate, post_json, sglang_servers
 from louver_sgl import LouverConfig
 from louver_sgl.serving import request_policy
 from louver_sgl.serving.request_policy import RequestPolicy, describe, parse, requests_of, with_requests
@@ -108,13 +108,15 @@ def tiny(tmp_path_factory):
 
 def test_requests_choose_their_policy_in_one_batch(tiny, tmp_path):
     model, (dense_prompt, certified_prompt) = tiny
-    with sglang_server(model, "torch_native", free_port(), {}, log_path=tmp_path / "torch_native.log") as url:
-        want = generate(url, dense_prompt, max_new_tokens=24)["output_ids"]
     stats = tmp_path / "stats.json"
     env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-2", "LOUVER_MIN_SPARSE_TOKENS": "0",
            "LOUVER_PAGE_SIZE": "32", "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
            "LOUVER_STATS_FILE": str(stats)}
-    with sglang_server(model, "louver", free_port(), env, log_path=tmp_path / "louver.log") as url:
+    dense_server = ServerProcess(model, "torch_native", free_port(), {}, SLEEP_ON_IDLE, tmp_path / "torch_native.log")
+    louver = ServerProcess(model, "louver", free_port(), env, SLEEP_ON_IDLE, tmp_path / "louver.log")
+    with sglang_servers([dense_server, louver]) as (dense_url, url):  # started together
+        want = generate(dense_url, dense_prompt, max_new_tokens=24)["output_ids"]
+        dense_server.stop()
         asks = [(dense_prompt, "dense-1", {"policy": "dense"}), (certified_prompt, "cert-1", {"eps": 1e-4})]
         with concurrent.futures.ThreadPoolExecutor(2 + len(_malformed(certified_prompt))) as pool:
             # the malformed requests are sent beside the good ones: each gets its 400, they their answers
