@@ -116,19 +116,19 @@ def fp64_request(q, k, v, page_table, seq_lens, b: int, page_size: int) -> tuple
 
 
 def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_bounds=False,
-                      residual=None, weight_limit=None) -> list[torch.Tensor]:
+                      residual=None, weight_rule=None) -> list[torch.Tensor]:
     """The keys the compiled grid step attends at ``thresholds`` ``[B, H_q]`` (no value gate): per
     request a bool mask ``[H_q, L]``, True for the dense part and, per GQA group, for every token
     of the indexed pages that some head of the group keeps by its page bound and its int8 token
     bound (``int8_token_bounds_reference``, the bounds the kernel gates with; with
     ``kernel_bounds`` the kernel's own, from the ``certified_threshold`` op: the reference's fp32
     sums are ordered differently, so a bound within ~1e-5 of T can fall on the other side).
-    ``residual``: the step's residual int8 weights (default: ``CpuLaunch``'s). ``weight_limit``:
-    the int8 weights' range of the reference bounds (default: this build's, ``int8_weight_limit``;
-    the Triton kernels' is 127)."""
+    ``residual``: the step's residual int8 weights (default: ``CpuLaunch``'s). ``weight_rule``:
+    the int8 weights' rule of the reference bounds (default: this build's, ``Int8Rule.of_build``;
+    the Triton kernels' is ``Int8Rule()``)."""
     from louver_sgl.decode.impl_cpu import CpuLaunch
 
-    from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
+    from louver_sgl.decode.reference_compiled import Int8Rule, int8_token_bounds_reference
     from louver_sgl.decode.plan import plan_decode
 
     config, size = store.config, store.page_size
@@ -143,12 +143,10 @@ def compiled_attended(q, k, page_table, seq_lens, store, thresholds, kernel_boun
         page_bound, tok = _kernel_bounds(q, plan, store, residual)
         page_bound, tok = page_bound.view(-1, h_kv, groups), tok.view(len(plan.page_ids), size, h_kv, groups)
     else:
-        from louver_sgl.decode.impl_cpu import compiled_ops
-
         codes = store.page_codes(plan.page_ids)
         page_bound = bounds.page_bound
-        limit = weight_limit or compiled_ops().int8_weight_limit(bits=config.grid_bits)  # this build's range
-        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits, residual, limit)  # [n, P, H_kv, G]
+        rule = weight_rule or Int8Rule.of_build(config.grid_bits)  # this build's rule
+        tok = int8_token_bounds_reference(*bounds.terms, codes, config.grid_bits, residual, rule)  # [n, P, H_kv, G]
     t = thresholds[plan.page_req].view(-1, 1, h_kv, groups)
     keep = (~(page_bound.unsqueeze(1) < t)) & ~(tok < t)
     union = keep.any(-1)  # [n, P, H_kv]

@@ -15,7 +15,7 @@ from louver_sgl.decode.impl_cpu import compiled_exact_part, compiled_ops
 from louver_sgl.decode.impl_torch import exact_part
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.reference_compiled import (
-    chunk_totals_reference, int8_token_bounds_reference, merge_reference, step_stats_reference,
+    Int8Rule, chunk_totals_reference, int8_token_bounds_reference, merge_reference, step_stats_reference,
 )
 from louver_sgl.decode.threshold import certified_choice as certified_threshold_reference
 
@@ -385,9 +385,9 @@ def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits,
     rows = q.view(3, h_kv, groups, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     codes = store.page_codes(plan.page_ids)
-    limit = OPS.int8_weight_limit(bits=bits)  # 63 for 8-bit codes on AVX2 builds, else 127
+    rule = Int8Rule.of_build(bits)  # lane groups for 8-bit codes on AVX2 builds, else ±127
     residual = residual and groups <= 4  # larger groups keep one dot (CpuLaunch.residual_weights)
-    want = int8_token_bounds_reference(*bounds.terms, codes, bits, residual, limit).reshape(n, page_size, -1)
+    want = int8_token_bounds_reference(*bounds.terms, codes, bits, residual, rule).reshape(n, page_size, -1)
     torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
     slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
@@ -396,6 +396,55 @@ def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits,
     assert bool((out["pb"].double()[:, None, :] >= exact).all())
     fp32_bounds = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
     assert bool((out["tok"] >= fp32_bounds - 1e-3).all())  # int8 weights only loosen the bound
+
+
+LANE_GROUPS = {  # query weights on channels of lane group (block 0, parity 0): 0, 1, 4, 5
+    "equal": {0: 1.0, 1: -1.0, 4: 1.0, 5: -1.0},  # the step from the group's sum: Σ|wq| at ~125
+    "one-heavy": {0: 1.0, 1: 0.6, 4: -0.3, 5: 0.2},
+    "same-sign": {0: 1.0, 1: 1.0, 4: 1.0, 5: 1.0},
+    "two-groups": {0: 1.0, 1: 1.0, 4: 1.0, 5: 1.0, 2: -1.0, 3: -1.0, 6: -1.0, 7: -1.0},
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(LANE_GROUPS))
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("residual", [False, True], ids=["int8", "residual"])
+def test_int8_lanes_hold_at_the_edge_of_the_weight_rule(pattern, page_size, residual):
+    """Keys whose codes sit at 0 and 255 on the channels of one int16 lane group, queried with all
+    their weight there: each lane's sum reaches the rule's edge (255·Σ|wq| up to 32,640; a single
+    extra unit of weight per channel would saturate the AVX2 scan's int16 lanes). The op's bounds
+    equal the torch specification's under this build's rule (``Int8Rule.of_build``) and enclose
+    every fp64 score; the rule keeps Σ|wq| <= 128 per lane group of every page."""
+    from louver_sgl import PageIndexStore
+
+    dim, h_kv, groups = 64, 2, 3
+    cfg = LouverConfig(page_size=page_size, grid_bits=8, policy="certified", eps=1e-2, sample_size=32)
+    k, _, table, lens = make_paged([40 * page_size // 16 * 16, 20 * page_size], page_size, h_kv, dim, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    k.mul_(0.01)
+    channels = sorted(LANE_GROUPS[pattern])
+    k[..., channels] = torch.where(torch.rand(len(k), h_kv, len(channels), generator=gen) < 0.5, -3.0, 3.0)
+    store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    q = 0.01 * torch.randn(2, h_kv * groups, dim, generator=gen)
+    for c, w in LANE_GROUPS[pattern].items():
+        q[..., c] = 4.0 * w
+    plan = plan_decode(table, lens, cfg)
+    sigma = 1 / math.sqrt(dim)
+    ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
+    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, 1e-2, residual)
+    n = len(plan.page_ids)
+    rows = q.view(2, h_kv, groups, dim)[plan.page_req]
+    bounds = store.page_bounds(rows, plan.page_ids)
+    rule = Int8Rule.of_build(8)
+    weights = bounds.terms[0]
+    wq = torch.round(weights / rule.step(weights)).abs()
+    assert float(wq.unflatten(-1, (-1, 2, 2, 2)).sum((-3, -1)).amax()) <= 128  # over half and pair member
+    want = int8_token_bounds_reference(*bounds.terms, store.page_codes(plan.page_ids), 8, residual, rule)
+    torch.testing.assert_close(out["tok"], want.reshape(n, page_size, -1), atol=1e-3, rtol=1e-4)
+    slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
+    exact = torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(n, page_size, -1)
+    assert bool((out["tok"].double() >= exact).all())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

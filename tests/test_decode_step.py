@@ -266,8 +266,9 @@ def test_dense_fallback_above_fraction(impl, monkeypatch):
 def test_compiled_fallback_replaces_only_the_rows_over_the_fraction(policy, dtype):
     """Some requests over the fraction, some not: the first get dense attention (the compiled
     dense step), the others keep their sparse result, in the caller's buffer too. (ε = 1e-2: at
-    1e-3 the ±63 weights of AVX2 builds' 8-bit bounds keep every key of most of these random
-    requests, and a cut at the median then separates none.)"""
+    1e-3 the coarser int8 weights of AVX2 builds' 8-bit bounds kept every key of most of these
+    random requests, measured with their earlier ±63 rule, and a cut at the median then separated
+    none.)"""
     cfg = LouverConfig(page_size=16, policy=policy, eps=1e-2, budget=0.2, sample_size=32, dense_fallback_fraction=1.0)
     q, k, v, table, lens, store = _setup(cfg, dtype=dtype, seed=4)
     sigma = 0.125

@@ -105,8 +105,8 @@ def test_the_attended_set_is_the_bounds_set_at_its_own_t():
 def test_requests_below_their_reserve_level_take_the_two_scans(offset):
     """A reserve level ``offset`` edges above the safe level: heads whose rule's edge lies below it
     lack tokens in the reserve, and their requests take the two scans; every request's step is still
-    the two-scan step's (at 256 every request falls back, at 9 and 10 some, with the int8 weights of
-    ±127 and of ±63 alike)."""
+    the two-scan step's (at 256 every request falls back, at 9 and 10 some, under the int8 weights'
+    rule of either build: ±127, or AVX2's lane groups)."""
     needs_impl("cpu")
     case = _case(seed=5, eps=1e-2)
     one, two = _step(*case, reserve_offset=offset), _step(*case, one_scan=False)

@@ -204,7 +204,7 @@ def test_check_step_catches_false_negatives(monkeypatch):
     broken = lambda pages: torch.full((len(pages), config.page_size, H_KV, H_Q // H_KV), float("-inf"))
     monkeypatch.setattr(store, "token_bounds", lambda bounds, pages: broken(pages))  # the fp32 bounds
     monkeypatch.setattr("louver_tuning.validate.int8_token_bounds_reference",  # the compiled kernels' int8 ones
-                        lambda weights, offset, codes, bits, residual=False, weight_limit=127: broken(codes))
+                        lambda weights, offset, codes, bits, residual=False, weight_rule=None: broken(codes))
     stats.dense_fallback.zero_()
     with pytest.raises(ConstraintViolation, match="false negatives"):
         check_step(pb, store, config, out, stats)

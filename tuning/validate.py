@@ -19,8 +19,7 @@ from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import PagedBatch
 from louver_sgl.decode.api import resolve_implementation, uses_int8_token_bounds
 from louver_sgl.decode.contract import StepStats
-from louver_sgl.decode.impl_cpu import compiled_ops
-from louver_sgl.decode.reference_compiled import int8_token_bounds_reference
+from louver_sgl.decode.reference_compiled import Int8Rule, int8_token_bounds_reference
 from louver_sgl.decode.plan import split_pages
 from louver_sgl.index.numerics import keep_at_least
 
@@ -49,14 +48,14 @@ def check_step(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, o
     resolved = resolve_implementation(impl, config, batch.k.device)
     int8 = uses_int8_token_bounds(resolved)
     bounds = ("residual" if residual_weights and resolved == "cpu" else "int8") if int8 else "fp32"
-    # the compiled CPU build's int8 weight range (63 for 8-bit codes on AVX2 builds); the GPU's 127
-    limit = compiled_ops().int8_weight_limit(bits=config.grid_bits) if int8 and resolved == "cpu" else 127
+    # the compiled CPU build's int8 weight rule (lane groups for 8-bit codes on AVX2 builds); the GPU's ±127
+    rule = Int8Rule.of_build(config.grid_bits) if int8 and resolved == "cpu" else Int8Rule()
     for b in range(batch.q.shape[0]):
-        _check_request(batch, store, config, out, stats, b, bounds, limit)
+        _check_request(batch, store, config, out, stats, b, bounds, rule)
 
 
 def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfig, out: torch.Tensor,
-                   stats: StepStats, b: int, bounds: str, weight_limit: int = 127) -> None:
+                   stats: StepStats, b: int, bounds: str, weight_rule: Int8Rule = Int8Rule()) -> None:
     size, n = config.page_size, int(batch.seq_lens[b])
     pos = torch.arange(n)
     slots = batch.page_table[b].cpu().long()[pos // size] * size + pos % size
@@ -66,7 +65,7 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
     scores = torch.einsum("hd,nhd->hn", q.double(), keys.double().repeat_interleave(groups, 1))  # [H_q, n]
     threshold = stats.threshold[b].cpu()
     passed = _passed(store, q, batch.page_table[b].cpu().long(), n, config, threshold, bounds,
-                     weight_limit)  # [H_q, n] or None
+                     weight_rule)  # [H_q, n] or None
     attended = torch.ones_like(scores, dtype=torch.bool)
     if passed is not None and not bool(stats.dense_fallback[b]):
         indexed = passed[1]
@@ -90,7 +89,7 @@ def _check_request(batch: PagedBatch, store: PageIndexStore, config: LouverConfi
 
 
 def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: int, config: LouverConfig,
-            threshold: torch.Tensor, bounds: str, weight_limit: int = 127):
+            threshold: torch.Tensor, bounds: str, weight_rule: Int8Rule = Int8Rule()):
     """(keys passing the bounds ``[H_q, n_indexed]`` bool, their positions ``[n_indexed]``), or None.
 
     ``bounds``: "int8" (or "residual", with residual int8 weights): the step gated with the compiled
@@ -108,7 +107,7 @@ def _passed(store: PageIndexStore, q: torch.Tensor, pages_row: torch.Tensor, n: 
     if bounds != "fp32":
         codes = store.page_codes(pages)
         tok = int8_token_bounds_reference(*terms.terms, codes, store.config.grid_bits, bounds == "residual",
-                                          weight_limit)
+                                          weight_rule)
     else:
         tok = store.token_bounds(terms, pages)
     tok = tok.reshape(-1, q.shape[0]).t().cpu()

@@ -97,9 +97,10 @@ std::tuple<double, double> exp_ps16_error(double lo, double hi) {
   return {std::max(high - 1.0, 1.0 - low), kExpPs16RelError};
 }
 
-// The largest |int8 weight| of this build's token bounds for codes of ``bits`` bits
-// (int8_weight_limit): the torch specification's weight_limit.
-int64_t weight_limit_of_build(int64_t bits) {
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "int8_weight_limit: bits must be 2, 4 or 8");
-  return int8_weight_limit(bits);
+// This build's rule for the int8 weights of its token bounds for codes of ``bits`` bits
+// (int8_weight_rule): the largest |weight| and the lane groups' limit (0: none), the torch
+// specification's Int8Rule.
+std::tuple<int64_t, double> weight_rule_of_build(int64_t bits) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "int8_weight_rule: bits must be 2, 4 or 8");
+  return {int8_weight_limit(bits), int8_group_limit(bits)};
 }

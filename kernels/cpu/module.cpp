@@ -30,8 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_stats", by_name("step_stats", step_stats), "Louver step statistics from the compiled step's totals (CPU)");
   m.def("fused_step", by_name("fused_step", fused_step),
         "Louver decode step of the sample-threshold policies in one call (CPU)");
-  m.def("int8_weight_limit", &weight_limit_of_build,
-        "Largest |int8 weight| of the token bounds of this build for codes of ``bits`` bits", pybind11::arg("bits"));
+  m.def("int8_weight_rule", &weight_rule_of_build,
+        "The int8 weights' rule of this build's token bounds for codes of ``bits`` bits: (largest |weight|, "
+        "lane groups' limit, 0 for none)", pybind11::arg("bits"));
   m.def("exp_ps16_error", &exp_ps16_error, "Largest relative error of the kernels' fp32 exp over a range (check)",
         pybind11::arg("lo"), pybind11::arg("hi"));
   m.def("exp_up_ratio", &exp_up_ratio, "Smallest and largest ratio of the dropped masses' exp to e^x over a range (check)",

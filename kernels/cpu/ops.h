@@ -18,7 +18,7 @@ void certified_threshold(louver_cpu::Named& args);
 void fused_step(louver_cpu::Named& args);
 std::tuple<double, double> exp_ps16_error(double lo, double hi);
 std::tuple<double, double> exp_up_ratio(double lo, double hi);
-int64_t weight_limit_of_build(int64_t bits);
+std::tuple<int64_t, double> weight_rule_of_build(int64_t bits);
 
 namespace louver_cpu {
 

@@ -6,6 +6,8 @@ exact part ``impl_torch.exact_part``'s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..index.grid import unpack_codes
@@ -47,26 +49,57 @@ def chunk_totals_reference(counts, mass, chunk_req, batch):
     return per_head, per_req, masses
 
 
-def _int8_weights(weights, bits, limit=127):
+@dataclass(frozen=True)
+class Int8Rule:
+    """The rule of the compiled token bounds' int8 weights (kernels/cpu/common.h): |wq| <= ``limit``,
+    and where ``group_limit`` > 0 the step is at least the largest lane group's Σ|w| divided by it,
+    so that Σ|wq| <= 128 in every group of channels whose code·weight products the AVX2 8-bit scan
+    adds up in one int16 lane (channels 8b + 2p, 8b + 2p + 1, 8b + 2p + 4, 8b + 2p + 5). The
+    Triton kernels' rule is the default one."""
+
+    limit: int = 127
+    group_limit: float = 0.0
+
+    @classmethod
+    def of_build(cls, bits: int) -> "Int8Rule":
+        """The compiled CPU build's rule for codes of ``bits`` bits (the ``int8_weight_rule`` op)."""
+        from .impl_cpu import compiled_ops
+
+        limit, group_limit = compiled_ops().int8_weight_rule(bits=bits)
+        return cls(int(limit), float(group_limit))
+
+    def step(self, weights: torch.Tensor) -> torch.Tensor:
+        """The int8 step of fp32 weights ``[..., D]``: ``[..., 1]``, as ``quantize_weights`` rounds it."""
+        top = weights.abs().amax(-1, keepdim=True)
+        step = torch.where(top > 0, top / float(self.limit), torch.ones_like(top))
+        if self.group_limit <= 0:
+            return step
+        halves = weights.abs().unflatten(-1, (-1, 2, 2, 2))  # [..., D/8, half, parity, pair member]
+        pairs = halves[..., 0] + halves[..., 1]
+        groups = (pairs[..., 0, :] + pairs[..., 1, :]).flatten(-2)  # the kernel's summation order
+        return torch.maximum(step, groups.amax(-1, keepdim=True) / self.group_limit)
+
+
+def _int8_weights(weights, bits, rule=Int8Rule()):
     """(step ``[..., 1]``, int8 wq as float, slack ``[...]``) of ``quantize_weights``: w ≈ step·wq
-    with |wq| <= ``limit``, and slack bounds Σ (w − step·wq)·code over codes in [0, 2^bits − 1]
+    under ``rule`` (``Int8Rule``), and slack bounds Σ (w − step·wq)·code over codes in [0, 2^bits − 1]
     with fp32 rounding (NaN where a weight is not finite); also Σ|step·wq| ``[...]``."""
     top = weights.abs().amax(-1, keepdim=True)
-    step = torch.where(top > 0, top / float(limit), torch.ones_like(top))
-    wq = torch.round(weights * (1.0 / step)).clamp(-limit, limit)
+    step = rule.step(weights)
+    wq = torch.round(weights * (1.0 / step)).clamp(-rule.limit, rule.limit)
     err = (weights - step * wq).clamp(min=0).sum(-1)
     mag = (step * wq).abs().sum(-1)
     slack = ((1 << bits) - 1) * (err * (1 + 2.0**-16) + mag * 2.0**-20) + 2.0**-126
     return step, wq, torch.where(torch.isfinite(top[..., 0]), slack, float("nan")), mag
 
 
-def int8_token_bounds_reference(weights, offset, codes, bits, residual=False, weight_limit=127):
+def int8_token_bounds_reference(weights, offset, codes, bits, residual=False, weight_rule=Int8Rule()):
     """The attend pass's int8 token bounds: the specification of the compiled ones.
 
-    Each head's page weights w (``grid_query_terms``) become ``step·wq`` with ``wq`` int8
-    (step = max|w| / L, rounded to nearest, L = ``weight_limit``: 127, or the compiled build's
-    ``int8_weight_limit`` op, 63 for 8-bit codes on AVX2 builds without AVX-512 VNNI, whose
-    int16 pair sums must not saturate); the bound is offset + slack + step·Σ wq·code with
+    Each head's page weights w (``grid_query_terms``) become ``step·wq`` with ``wq`` int8 under
+    ``weight_rule`` (``Int8Rule``: step = max|w| / 127, rounded to nearest, or the compiled
+    build's ``Int8Rule.of_build``, whose AVX2 8-bit scan also asks Σ|wq| <= 128 per int16 lane
+    group); the bound is offset + slack + step·Σ wq·code with
     the integer sum exact, where slack covers the channels rounded down (codes are never negative)
     and fp32 rounding. With ``residual`` (``CpuLaunch.residual_weights``) the fp32 residual r = w −
     step·wq gets int8 weights of its own (``quantize_weights_residual``): the bound is offset +
@@ -74,14 +107,14 @@ def int8_token_bounds_reference(weights, offset, codes, bits, residual=False, we
     H_kv, G, D]``, offset ``[n, H_kv, G]`` fp32; codes ``[n, P, H_kv, B]`` packed -> ``[n, P, H_kv,
     G]`` fp32.
     """
-    step, wq, slack, mag = _int8_weights(weights, bits, weight_limit)
+    step, wq, slack, mag = _int8_weights(weights, bits, weight_rule)
     levels = unpack_codes(codes, bits).long()
     dots = torch.einsum("npkd,nkgd->npkg", levels, wq.long())
     if not residual:
         return (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()
     # the residual rounded once from its exact value (step·wq is exact in fp64), as the kernels' fma
     residual_w = (weights.double() - step.double() * wq.double()).float()
-    step_r, wq_r, slack_r, _ = _int8_weights(residual_w, bits, weight_limit)
+    step_r, wq_r, slack_r, _ = _int8_weights(residual_w, bits, weight_rule)
     slack = torch.where(torch.isnan(slack), slack, slack_r + ((1 << bits) - 1) * mag * 2.0**-20)
     dots_r = torch.einsum("npkd,nkgd->npkg", levels, wq_r.long())
     first = (offset + slack).unsqueeze(1) + step[..., 0].unsqueeze(1) * dots.float()

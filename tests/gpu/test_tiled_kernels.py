@@ -22,7 +22,7 @@ from conftest import SLOW_WHERE_INTERPRETED, compiled_attended, fp64_request, ma
 from louver_kernels.triton.launch import TritonLaunch  # noqa: E402
 from louver_sgl import LouverConfig, PageIndexStore  # noqa: E402
 from louver_sgl.decode import HeadShapes, LouverDecode  # noqa: E402
-from louver_sgl.decode.impl_cpu import compiled_ops  # noqa: E402
+from louver_sgl.decode.reference_compiled import Int8Rule  # noqa: E402
 
 pytestmark = SLOW_WHERE_INTERPRETED  # the full tier where there is no CUDA (conftest)
 
@@ -94,10 +94,11 @@ def test_the_certified_level_is_the_histogram_rules_in_one_pass():
     diff = (tiled.stats.threshold - fused.stats.threshold)[indexed]
     assert bool((diff.abs() <= 1e-4 * (fused.stats.threshold[indexed].abs() + 1)).all()), diff
     # the compiled CPU kernels' own bounds where this build's int8 weights are the Triton kernels'
-    # (±127); on AVX2 builds, whose 8-bit weights are ±63, the torch int8 specification at ±127
-    same_weights = compiled_ops().int8_weight_limit(bits=config.grid_bits) == 127
+    # (±127); on AVX2 builds, whose 8-bit weights follow the lane groups' rule, the torch int8
+    # specification at ±127
+    same_weights = Int8Rule.of_build(config.grid_bits) == Int8Rule()
     spec = compiled_attended(q.cpu(), k.cpu(), table.cpu(), lens.cpu(), store, tiled.stats.threshold.cpu(),
-                             kernel_bounds=same_weights, weight_limit=127)
+                             kernel_bounds=same_weights, weight_rule=Int8Rule())
     for b in range(len(LENS)):
         assert torch.equal(tiled.attended[b], _union(spec[b], 3)), f"request {b}"
     assert bool((tiled.stats.mass_bound < config.eps).all())
