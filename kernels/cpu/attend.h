@@ -91,7 +91,7 @@ struct ChunkRunner {
   // int8 weights [G2, D] (G2 = 2·G with residual weights: heads G.. hold the residuals);
   // nibble_order block 64 and block 8
   std::vector<int8_t> wq, wsplit, wsplit8;
-  std::vector<int32_t> idot, quads8;  // quads8: the AVX2 scan's broadcast weights [G, D/64, 16, 8]
+  std::vector<int32_t> idot;
   std::vector<uint8_t> page_codes;
   std::vector<uint16_t> attend_bits, need_bits;  // per 16-candidate block: [G][blocks], [blocks]
   std::vector<int64_t> drop_count, cand_slot, value_rows, cand_pos;  // cand_pos: only with a.attended
@@ -119,7 +119,7 @@ struct ChunkRunner {
         drop_lanes(16 * args.groups), drop_mass(16 * args.groups), book(3 * args.dim), rows16(16 * args.dim), score(args.groups * cap),
         weight(args.groups * cap), wq(2 * args.groups * args.dim), wsplit(2 * args.groups * args.dim),
         wsplit8(2 * args.groups * args.dim), idot(2 * args.groups),
-        quads8(kHaveAvx2 ? 4 * args.groups * args.dim : 0), page_codes(args.page_size * args.dim),
+        page_codes(args.page_size * args.dim),
         attend_bits(args.groups * cap / 16), need_bits(cap / 16), drop_count(args.groups), cand_slot(cap),
         value_rows(cap), cand_pos(args.attended ? cap : 0), keep_page(args.groups), keep_res(args.groups, 0),
         res_ub(16 * args.groups), page_mag(args.groups), mag_max(args.groups, 0.f), ref_low(args.groups),
@@ -193,11 +193,8 @@ struct ChunkRunner {
         if (tokens) nibble_order_int8(wq.data() + g * D, a.bits, D, 64, wsplit.data() + g * D);
         if (blocks4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
       }
-    } else if (avx2_scan()) {  // 8-bit codes take the weights in channel order
-      for (int64_t g = 0; g < dot_heads(); ++g) {
-        if (a.bits == 4) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
-        broadcast_quads8((a.bits == 4 ? wsplit8 : wq).data() + g * D, D, quads8.data() + g * 2 * D);
-      }
+    } else if (avx2_scan() && a.bits == 4) {  // 8-bit codes take the weights in channel order
+      for (int64_t g = 0; g < dot_heads(); ++g) nibble_order_int8(wq.data() + g * D, a.bits, D, 8, wsplit8.data() + g * D);
     }
     return true;
   }
@@ -251,7 +248,7 @@ struct ChunkRunner {
 #elif defined(LOUVER_AVX2)
     const int64_t G = a.groups;
     alignas(32) int32_t dots[8 * 16];
-    dot_block16_avx2(a.codes.block(first + p, k), a.bits, a.dim, quads8.data(), dot_heads(), dots);
+    dot_block16_avx2(a.codes.block(first + p, k), a.bits, a.dim, (a.bits == 4 ? wsplit8 : wq).data(), dot_heads(), dots);
     uint32_t cand = 0, res = 0;
     for (int64_t g = 0; g < G; ++g) {
       if (!keep_page[g] && !keep_res[g]) continue;

@@ -760,26 +760,22 @@ inline void with_heads(int64_t n, F&& f) {
   }
 }
 
-// The operand of dot_block16_avx2_4bit from one head's int8 weights w [D] in nibble_order block 8:
-// wb [D/64, 16, 8] int32, row 2i + j of a 64-channel block = weight quad 2i + j (4 bytes) in all
-// 8 lanes (built once per page, so the scan reads its weight operands as stored).
-inline void broadcast_quads8(const int8_t* w, int64_t D, int32_t* wb) {
-  for (int64_t q = 0; q < D / 4; ++q) {
-    int32_t quad;
-    std::memcpy(&quad, w + 4 * q, sizeof(quad));
-    std::fill(wb + 8 * q, wb + 8 * q + 8, quad);
-  }
+#if defined(LOUVER_AVX2)
+// Weight quad q of w (4 int8 weights, one dword) in all 8 lanes: a vpbroadcastd from memory, a load
+// (the scan's weight operands need no per-page buffer).
+inline __m256i broadcast_quad(const int8_t* w, int64_t q) {
+  int32_t quad;
+  std::memcpy(&quad, w + 4 * q, sizeof(quad));
+  return _mm256_set1_epi32(quad);
 }
 
-#if defined(LOUVER_AVX2)
 // The integer dots of the 16 tokens of a block16 block of 4-bit codes (``cols``: [bytes/4, 16, 4]
-// for one KV head) with G heads' int8 weights in nibble_order block 8 (as broadcast_quads8 lays
-// them out, [G, D/64, 16, 8]), as dot_block16_cols<4> computes them with VNNI: out[g·16 + t] for
-// token t. Per dword of channels, _mm256_maddubs_epi16
-// multiplies 8 tokens' codes by the broadcast weight quad and adds adjacent pairs into int16;
+// for one KV head) with G heads' int8 weights in nibble_order block 8 (``w`` [G, D]), as
+// dot_block16_cols<4> computes them with VNNI: out[g·16 + t] for token t. Per dword of channels,
+// _mm256_maddubs_epi16 multiplies 8 tokens' codes by the broadcast weight quad and adds adjacent pairs into int16;
 // |code·w| <= 15·127, so 8 dwords' pair sums stay below 2^15 (no saturation) before they widen to
 // int32 (one chain for the low nibbles, one for the high ones).
-inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int8_t* w, int64_t G, int32_t* out) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
     __m256i acc[8];
@@ -792,11 +788,11 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t*
         high[i] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const auto* quad = reinterpret_cast<const __m256i*>(wb) + (g * (D / 64) + blk) * 16;
+        const int8_t* wg = w + g * D + blk * 64;
         __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
         for (int i = 0; i < 8; ++i) {
-          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(low[i], _mm256_loadu_si256(quad + 2 * i)));
-          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], _mm256_loadu_si256(quad + 2 * i + 1)));
+          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(low[i], broadcast_quad(wg, 2 * i)));
+          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(high[i], broadcast_quad(wg, 2 * i + 1)));
         }
         acc[g] = _mm256_add_epi32(acc[g], _mm256_add_epi32(_mm256_madd_epi16(even, ones), _mm256_madd_epi16(odd, ones)));
       }
@@ -807,8 +803,8 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t*
 
 
 // The integer dots of the 16 tokens of a block16 block of 8-bit codes (``cols``: [D/4, 16, 4] for
-// one KV head) with G heads' int8 weights in channel order, broadcast per quad (broadcast_quads8:
-// [G, D/4, 8] int32): out[g·16 + t] for token t, as dot_block16_cols<8> computes them with VNNI.
+// one KV head) with G heads' int8 weights in channel order (``w`` [G, D], each quad broadcast as
+// it is read): out[g·16 + t] for token t, as dot_block16_cols<8> computes them with VNNI.
 // Per dword of channels, _mm256_maddubs_epi16 multiplies 8 tokens' codes by the weight quad and adds
 // adjacent pairs into int16; the sums of kLaneDwords dwords add up in int16 and then widen to
 // int32, exact under the lane groups' rule (int8_group_limit: Σ_group |wq| <= 128, 255·128 < 2^15).
@@ -820,9 +816,8 @@ inline void dot_block16_avx2_4bit(const uint8_t* cols, int64_t D, const int32_t*
 // rows both 8-token halves share each weight load (2·NH accumulators); more rows take the halves
 // one after the other.
 template <int NH>
-inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int32_t* wb, int32_t* out) {
+inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int8_t* wt, int32_t* out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const auto* quads = reinterpret_cast<const __m256i*>(wb);
   constexpr int kHalves = NH <= 4 ? 2 : 1;  // halves per pass over the channels
   for (int h0 = 0; h0 < 2; h0 += kHalves) {  // tokens 8h .. 8h+7: the low or high 32 bytes of each dword row
     __m256i acc[kHalves][NH];
@@ -835,7 +830,7 @@ inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int
           c[i][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols + (j + i) * 64 + 32 * (h0 + h)));
       for (int g = 0; g < NH; ++g) {
         __m256i w[kLaneDwords];
-        for (int i = 0; i < kLaneDwords; ++i) w[i] = _mm256_loadu_si256(quads + g * (D / 4) + j + i);
+        for (int i = 0; i < kLaneDwords; ++i) w[i] = broadcast_quad(wt + g * D, j + i);
         for (int h = 0; h < kHalves; ++h) {
           __m256i lanes = _mm256_maddubs_epi16(c[0][h], w[0]);
           for (int i = 1; i < kLaneDwords; ++i) lanes = _mm256_add_epi16(lanes, _mm256_maddubs_epi16(c[i][h], w[i]));
@@ -850,16 +845,17 @@ inline void dot_block16_avx2_8bit_rows(const uint8_t* cols, int64_t D, const int
 }
 
 // dot_block16_avx2_8bit_rows for G weight rows (1..8: the heads, or twice them with residual weights).
-inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
-  with_heads(G, [&](auto nh) { dot_block16_avx2_8bit_rows<decltype(nh)::value>(cols, D, wb, out); });
+inline void dot_block16_avx2_8bit(const uint8_t* cols, int64_t D, const int8_t* w, int64_t G, int32_t* out) {
+  with_heads(G, [&](auto nh) { dot_block16_avx2_8bit_rows<decltype(nh)::value>(cols, D, w, out); });
 }
 
-// The 8-lane scan's integer dots of one block16 block, for the code width (avx2_block_scan).
-inline void dot_block16_avx2(const uint8_t* cols, int64_t bits, int64_t D, const int32_t* wb, int64_t G, int32_t* out) {
+// The 8-lane scan's integer dots of one block16 block, for the code width (avx2_block_scan): ``w``
+// [G, D] int8, in channel order for 8 bits, in nibble_order block 8 for 4.
+inline void dot_block16_avx2(const uint8_t* cols, int64_t bits, int64_t D, const int8_t* w, int64_t G, int32_t* out) {
   if (bits == 8) {
-    dot_block16_avx2_8bit(cols, D, wb, G, out);
+    dot_block16_avx2_8bit(cols, D, w, G, out);
   } else {
-    dot_block16_avx2_4bit(cols, D, wb, G, out);
+    dot_block16_avx2_4bit(cols, D, w, G, out);
   }
 }
 

@@ -57,7 +57,6 @@ struct PageScan {
   std::vector<uint8_t> page_codes;
   std::vector<int64_t> page_bin;
   std::vector<int32_t> idot;  // per-token integer dots; members: scan runs per page and KV head
-  std::vector<int32_t> quads8;  // the AVX2 scan's broadcast weights [G, D/64, 16, 8]
   std::vector<double> sums;   // per head, the page's counted token masses
   // reserve levels (empty: the two-pass bound pass) and their bins [G]; per head whether the page
   // bound reaches the level, the masses below it, and the block's bounds [G, 16]
@@ -71,7 +70,7 @@ struct PageScan {
       : G(G_), D(D_), bits(bits_), P(P_), sigma(sigma_), edges(edges_), residual(residual_ && 2 * G_ <= 8),
         book(3 * D_), w(G_ * D_), off(G_), pb(G_), step(G_), step2(G_), resid(D_), mag(G_), wq(2 * G_ * D_),
         wsplit(2 * G_ * D_), wsplit8(2 * G_ * D_), page_codes(P_ * D_), page_bin(G_), idot(2 * G_),
-        quads8(kHaveAvx2 ? 4 * G_ * D_ : 0), sums(G_), reach(G_, 1), below(G_, 0.0), block_ub(16 * G_) {}
+        sums(G_), reach(G_, 1), below(G_, 0.0), block_ub(16 * G_) {}
 
   // Weight rows the integer dots run over: G, or 2·G with residual weights.
   int64_t dot_heads() const { return residual ? 2 * G : G; }
@@ -115,8 +114,6 @@ struct PageScan {
     for (int64_t g = 0; g < dot_heads(); ++g) {
       if (vnni()) nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
       if ((vnni() || kHaveAvx2) && bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
-      if (kHaveAvx2 && bits == 4 && D % 64 == 0) broadcast_quads8(wsplit8.data() + g * D, D, quads8.data() + g * 2 * D);
-      if (kCodes8Maddubs && bits == 8 && D % 64 == 0) broadcast_quads8(wq.data() + g * D, D, quads8.data() + g * 2 * D);
     }
   }
 
@@ -289,7 +286,7 @@ struct PageScan {
       alignas(32) int32_t dots[8 * 16];
       alignas(32) float ub[8];
       for (; p + 16 <= P; p += 16) {
-        dot_block16_avx2(codes.block(first + p, k), bits, D, quads8.data(), dot_heads(), dots);
+        dot_block16_avx2(codes.block(first + p, k), bits, D, (bits == 4 ? wsplit8 : wq).data(), dot_heads(), dots);
         uint32_t keep = 0;
         for (int64_t g = 0; g < G; ++g) {
           if (!reach[g]) continue;
