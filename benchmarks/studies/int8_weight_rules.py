@@ -46,11 +46,12 @@ def layer_rows(keys: torch.Tensor, queries: torch.Tensor, page: int, quantile: f
         rows = q.view(1, h_kv, groups, dim).expand(len(pages), -1, -1, -1).contiguous()
         bounds = store.page_bounds(rows, pages)
         weights = bounds.terms[0]
+        pm63 = RULES["±63"].step(weights)
         exact = torch.einsum("nkd,kgd->nkg", keys.double(), q.view(h_kv, groups, dim).double())
         t = torch.quantile(exact.reshape(n, -1).float(), quantile, dim=0).view(1, h_kv, groups)
         page_bound = bounds.page_bound.repeat_interleave(page, 0)
         for name, rule in RULES.items():
-            ratios[name].append((rule.step(weights) / RULES["±63"].step(weights)).flatten())
+            ratios[name].append((rule.step(weights) / pm63).flatten())
             tok = int8_token_bounds_reference(*bounds.terms, codes, 8, False, rule).reshape(n, h_kv, groups)
             keep = ~(tok < t) & ~(page_bound < t)
             if bool((~keep & (exact >= t.double())).any()):

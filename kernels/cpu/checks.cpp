@@ -102,5 +102,5 @@ std::tuple<double, double> exp_ps16_error(double lo, double hi) {
 // specification's Int8Rule.
 std::tuple<int64_t, double> weight_rule_of_build(int64_t bits) {
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "int8_weight_rule: bits must be 2, 4 or 8");
-  return {int8_weight_limit(bits), int8_group_limit(bits)};
+  return {kInt8WeightLimit, int8_group_limit(bits)};
 }

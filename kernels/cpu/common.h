@@ -254,7 +254,7 @@ constexpr bool kCodes8Maddubs = true;
 constexpr bool kCodes8Maddubs = false;
 #endif
 constexpr int kLaneDwords = 2;
-inline int int8_weight_limit(int64_t) { return 127; }
+constexpr int kInt8WeightLimit = 127;
 inline float int8_group_limit(int64_t bits) { return kCodes8Maddubs && bits == 8 ? 125.f : 0.f; }
 
 // The largest fp32 sum of |w| over a lane group (kLaneDwords = 2: channels 8b + 2p, 8b + 2p + 1,
@@ -287,7 +287,7 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
     *step = 0.f;
     return NAN;
   }
-  const float limit = static_cast<float>(int8_weight_limit(bits)), group_limit = int8_group_limit(bits);
+  const float limit = static_cast<float>(kInt8WeightLimit), group_limit = int8_group_limit(bits);
   const float s = std::max(top > 0.f ? top / limit : 1.f, group_limit > 0.f ? lane_group_max(w, D) / group_limit : 0.f);
   const float inv = 1.f / s;
   const float levels = static_cast<float>((1 << bits) - 1);
@@ -346,7 +346,7 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
 // quantize_weights' of r (its channels rounded down, the rounding of step2·wq2 and of step2·acc)
 // plus (2^bits − 1)·2^-20·Σ|step·wq_d|: the fp32 residual differs from w − step·wq by at most
 // 2^-23·(|step·wq_d| + |r_d|) per channel, and Σ|r_d| <= D·step/2 <= (D / 246)·Σ|step·wq_d| (the
-// largest channel has |wq| = 127, or the largest lane group Σ|wq| >= 123: int8_weight_limit,
+// largest channel has |wq| = 127, or the largest lane group Σ|wq| >= 123: kInt8WeightLimit,
 // int8_group_limit), at most 2.1·Σ|step·wq_d| for D <= 512: with step·acc and the one more
 // addition (about 1.5·Σ|step·wq_d| more, in units of 2^-23 per code step) still within the
 // term's 8.

@@ -74,10 +74,16 @@ class Int8Rule:
         step = torch.where(top > 0, top / float(self.limit), torch.ones_like(top))
         if self.group_limit <= 0:
             return step
-        halves = weights.abs().unflatten(-1, (-1, 2, 2, 2))  # [..., D/8, half, parity, pair member]
-        pairs = halves[..., 0] + halves[..., 1]
-        groups = (pairs[..., 0, :] + pairs[..., 1, :]).flatten(-2)  # the kernel's summation order
-        return torch.maximum(step, groups.amax(-1, keepdim=True) / self.group_limit)
+        return torch.maximum(step, lane_group_sums(weights.abs()).amax(-1, keepdim=True) / self.group_limit)
+
+
+def lane_group_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sums of ``x`` ``[..., D]`` over the AVX2 8-bit scan's int16 lane groups (channels 8b + 2p,
+    8b + 2p + 1, 8b + 2p + 4, 8b + 2p + 5): ``[..., D/4]``, in ``lane_group_max``'s summation
+    order, (x_a + x_b) + (x_c + x_d)."""
+    halves = x.unflatten(-1, (-1, 2, 2, 2))  # [..., D/8, half, parity, pair member]
+    pairs = halves[..., 0] + halves[..., 1]
+    return (pairs[..., 0, :] + pairs[..., 1, :]).flatten(-2)
 
 
 def _int8_weights(weights, bits, rule=Int8Rule()):
