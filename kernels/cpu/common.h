@@ -186,6 +186,34 @@ inline void page_terms(const float* qk, const float* lo, const float* sc, const 
     }
     return;
   }
+#elif defined(LOUVER_AVX2)
+  if (D % 8 == 0) {  // the same with 8 lanes (the compiler took the loop below 4 lanes at a time, with
+                     // a scalar tail of spills that cost more than the loop)
+    const __m256 half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(levels - 0.5f), lev = _mm256_set1_ps(levels);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qk + g * D;
+      __m256 o = _mm256_setzero_ps(), page = o, radius = o, mag = o;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 l = _mm256_loadu_ps(lo + d), s = _mm256_loadu_ps(sc + d), r = _mm256_loadu_ps(rad + d);
+        const __m256 q = _mm256_loadu_ps(qg + d), qa = _mm256_andnot_ps(sign, q);
+        _mm256_storeu_ps(w + g * D + d, _mm256_mul_ps(q, s));
+        const __m256 low = _mm256_mul_ps(q, _mm256_fmadd_ps(half, s, l));
+        const __m256 high = _mm256_mul_ps(q, _mm256_fmadd_ps(top, s, l));
+        o = _mm256_add_ps(o, low);
+        page = _mm256_add_ps(page, _mm256_max_ps(low, high));
+        radius = _mm256_fmadd_ps(qa, r, radius);
+        const __m256 cell = _mm256_fmadd_ps(lev, _mm256_andnot_ps(sign, s), _mm256_andnot_ps(sign, l));
+        mag = _mm256_fmadd_ps(qa, _mm256_add_ps(cell, r), mag);
+      }
+      const float rsum = hsum8_ps(radius), msum = hsum8_ps(mag);
+      if (mag_out) mag_out[g] = msum;
+      const float slack = dot_slack(msum, 2 * D + 2);
+      off[g] = hsum8_ps(o) + rsum + slack;
+      pb[g] = hsum8_ps(page) + rsum + slack;
+    }
+    return;
+  }
 #endif
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = qk + g * D;
