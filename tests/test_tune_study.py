@@ -242,3 +242,14 @@ def test_quick_space_is_narrowed_around_its_seed_and_holds_it():
     assert choices["sink_pages"] == [0, 1] and choices["recent_pages"] == [3, 4]
     assert choices["chunk_pages"] == [16, 32, 64, 128, 256] and choices["num_threads"] == [2, 4]
     assert choices["min_sparse_tokens"] == [1024] and choices["dense_fallback_fraction"] == [1.0]
+
+
+def test_the_estimate_share_is_searched_under_the_a_posteriori_rule_only():
+    from louver_sgl.profiles.format import CERTIFIED_ONLY, policy_values
+
+    space = build_space(CpuTarget().launch_space(), 1 << 15, "small")
+    assert LouverConfig().certified_rule == "histogram" and "estimate_share" not in space.grid()
+    grid = space.restrict({"certified_rule": ["a_posteriori"]}).grid()
+    assert grid["estimate_share"] == [1.0, 2.0, 3.0, 4.0] and LouverConfig().estimate_share in grid["estimate_share"]
+    assert "estimate_share" in CERTIFIED_ONLY
+    assert policy_values({"estimate_share": 4.0, "page_size": 64}, "budget") == {"page_size": 64}

@@ -25,6 +25,7 @@ CONDITIONS = {
     "cluster_size": ("family", "clustered"),
     "clustering": ("family", "clustered"),
     "residual_norms": ("family", "clustered"),
+    "estimate_share": ("certified_rule", "a_posteriori"),
 }
 
 
@@ -33,7 +34,10 @@ def config_space(max_context: int) -> dict[str, BaseDistribution]:
 
     ``certified_passes`` and ``certified_rule`` are how a certified step finds its T, not how much
     mass it may drop: every rule certifies ε (the one-pass rules read the codes once and attend more
-    keys; the a-posteriori rules divide by the mass attended and attend fewer)."""
+    keys; the a-posteriori rules divide by the mass attended and attend fewer). ``estimate_share``
+    (a-posteriori only) places the first level: a larger share keeps fewer keys while the check
+    passes, and a failing check costs a second attend pass, so the best share depends on how
+    peaked the workload's attention is."""
     min_sparse = [0] + [n for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if n <= max_context // 2]
     return {
         "page_size": CategoricalDistribution([32, 64, 128]),
@@ -49,6 +53,7 @@ def config_space(max_context: int) -> dict[str, BaseDistribution]:
         "min_sparse_tokens": CategoricalDistribution(min_sparse),
         "certified_passes": CategoricalDistribution([2, 1]),
         "certified_rule": CategoricalDistribution(["histogram", "a_posteriori"]),
+        "estimate_share": CategoricalDistribution([1.0, 2.0, 3.0, 4.0]),
     }
 
 
