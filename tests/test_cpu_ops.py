@@ -354,21 +354,34 @@ def _run_certified(q, plan, store, ref, z_lb, sigma, eps, residual=False):
     return out
 
 
-def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, residual=False, groups=3):
+def _index_and_run(cfg, k, q, table, lens, eps, residual=False):
+    """The index of the paged keys k [slots, H_kv, D], the plan, the compiled exact part and the
+    certified op's outputs for queries q [B, H_q, D]: (plan, store, ex, sigma, out)."""
     from louver_sgl import PageIndexStore
 
+    store = PageIndexStore(cfg, len(k) // cfg.page_size, k.shape[1], k.shape[2], k.dtype)
+    store.build_pages(k, torch.arange(store.num_pages))
+    plan = plan_decode(table, lens, cfg)
+    sigma = 1 / math.sqrt(k.shape[2])
+    ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
+    return plan, store, ex, sigma, _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, eps, residual)
+
+
+def _page_scores(k, rows, plan, page_size):
+    """fp64 scores [n, P, H_q] of every slot of the plan's n indexed pages against their request's
+    query rows [n, H_kv, G, D]."""
+    slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
+    return torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(len(slots), page_size, -1)
+
+
+def _certified_case(bits, page_size, dim, eps, dtype=torch.float32, scale=2.0, residual=False, groups=3):
     cfg = LouverConfig(page_size=page_size, grid_bits=bits, policy="certified", eps=eps, sample_size=32)
     h_kv = 2
     stretch = max(1, page_size // 32)  # large pages: as many indexed pages as at page 32
     k, _, table, lens = make_paged([300 * stretch, 700 * stretch, 129 * stretch], page_size, h_kv, dim, seed=11,
                                    dtype=dtype)
-    store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
-    store.build_pages(k, torch.arange(store.num_pages))
     q = torch.randn(3, h_kv * groups, dim, generator=torch.Generator().manual_seed(12)) * scale
-    plan = plan_decode(table, lens, cfg)
-    sigma = 1 / math.sqrt(dim)
-    ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
-    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, eps, residual)
+    plan, store, ex, sigma, out = _index_and_run(cfg, k, q, table, lens, eps, residual)
     return cfg, k, q, plan, store, ex, sigma, out
 
 
@@ -391,8 +404,7 @@ def test_certified_threshold_bounds_are_the_int8_bounds_and_enclose_scores(bits,
     want = int8_token_bounds_reference(*bounds.terms, codes, bits, residual, rule).reshape(n, page_size, -1)
     torch.testing.assert_close(out["tok"], want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out["pb"], bounds.page_bound.reshape(n, -1), atol=1e-3, rtol=1e-4)
-    slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
-    exact = torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(n, page_size, -1)
+    exact = _page_scores(k, rows, plan, page_size)
     assert bool((out["tok"].double() >= exact).all())
     assert bool((out["pb"].double()[:, None, :] >= exact).all())
     fp32_bounds = store.token_bounds(bounds, plan.page_ids).reshape(n, page_size, -1)
@@ -416,8 +428,6 @@ def test_int8_lanes_hold_at_the_edge_of_the_weight_rule(pattern, page_size, resi
     extra unit of weight per channel would saturate the AVX2 scan's int16 lanes). The op's bounds
     equal the torch specification's under this build's rule (``Int8Rule.of_build``) and enclose
     every fp64 score; the rule keeps Σ|wq| <= 128 per lane group of every page."""
-    from louver_sgl import PageIndexStore
-
     dim, h_kv, groups = 64, 2, 3
     cfg = LouverConfig(page_size=page_size, grid_bits=8, policy="certified", eps=1e-2, sample_size=32)
     k, _, table, lens = make_paged([40 * page_size, 20 * page_size], page_size, h_kv, dim, seed=5)
@@ -425,15 +435,10 @@ def test_int8_lanes_hold_at_the_edge_of_the_weight_rule(pattern, page_size, resi
     k.mul_(0.01)
     channels = sorted(LANE_GROUPS[pattern])
     k[..., channels] = torch.where(torch.rand(len(k), h_kv, len(channels), generator=gen) < 0.5, -3.0, 3.0)
-    store = PageIndexStore(cfg, len(k) // page_size, h_kv, dim, k.dtype)
-    store.build_pages(k, torch.arange(store.num_pages))
     q = 0.01 * torch.randn(2, h_kv * groups, dim, generator=gen)
     for c, w in LANE_GROUPS[pattern].items():
         q[..., c] = 4.0 * w
-    plan = plan_decode(table, lens, cfg)
-    sigma = 1 / math.sqrt(dim)
-    ex, _ = compiled_exact_part(q, k, plan, sigma, cfg.sample_size, OPS)
-    out = _run_certified(q, plan, store, ex.ref, ex.z_lb, sigma, 1e-2, residual)
+    plan, store, _, _, out = _index_and_run(cfg, k, q, table, lens, 1e-2, residual)
     n = len(plan.page_ids)
     rows = q.view(2, h_kv, groups, dim)[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
@@ -443,9 +448,7 @@ def test_int8_lanes_hold_at_the_edge_of_the_weight_rule(pattern, page_size, resi
     assert float(lane_group_sums(wq).amax()) <= 128
     want = int8_token_bounds_reference(*bounds.terms, store.page_codes(plan.page_ids), 8, residual, rule)
     torch.testing.assert_close(out["tok"], want.reshape(n, page_size, -1), atol=1e-3, rtol=1e-4)
-    slots = plan.page_ids[:, None] * page_size + torch.arange(page_size)
-    exact = torch.einsum("npkd,nkgd->npkg", k[slots].double(), rows.double()).reshape(n, page_size, -1)
-    assert bool((out["tok"].double() >= exact).all())
+    assert bool((out["tok"].double() >= _page_scores(k, rows, plan, page_size)).all())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
