@@ -87,3 +87,21 @@ def test_keys_equal_plain_kv_cache(trace):
             tol = 1e-4 + (2.0 ** -11 * ref.abs().max().item() if fp16 else 0.0)
             err = (trace[name][layer].float() - ref).abs().max().item()
             assert err < tol, f"{name} layer {layer}: max abs error {err:.2e} > {tol:.2e}"
+
+
+def test_random_token_traces_are_seeded_and_hold_the_model_attention(tmp_path):
+    """``--text random``: seeded uniformly random token ids (the same ids every capture), and the
+    trace reproduces the model's attention as the text traces do."""
+    from louver_eval.data.capture import RANDOM_TEXT, random_tokens
+
+    ids = random_tokens(49152, LENGTH)
+    assert torch.equal(ids, random_tokens(49152, LENGTH)) and 0 <= int(ids.min()) and int(ids.max()) < 49152
+    assert not torch.equal(ids, random_tokens(49152, LENGTH, seed=1))
+    path = tmp_path / f"{RANDOM_TEXT}_{LENGTH}.pt"
+    capture_trace(MODEL_DIR, RANDOM_TEXT, LENGTH, LAYERS, NUM_QUERIES, path, TEXT_DIR, chunk_size=CHUNK,
+                  kv_dtype=torch.float32)
+    trace = load_trace(path)
+    assert trace["meta"]["text"] == RANDOM_TEXT
+    for layer in LAYERS:
+        err = (dense_decode(trace, layer) - trace["outputs"][layer]).abs().max().item()
+        assert err < 1e-3, f"layer {layer}: max abs error {err:.2e}"

@@ -225,7 +225,7 @@ def test_the_options_are_checked():
     with pytest.raises(ValueError, match="certified_rule must be one of"):
         LouverConfig(certified_rule="oracle")
     assert LouverConfig(certified_rule="a_posteriori", certified_passes=1).threshold.one_pass_a_posteriori
-    for bad in (0.0, -1.0, 5.0, math.nan):
+    for bad in (0.0, -1.0, 9.0, math.nan):
         with pytest.raises(ValueError, match="estimate_share"):
             LouverConfig(estimate_share=bad)
 

@@ -53,7 +53,7 @@ def config_space(max_context: int) -> dict[str, BaseDistribution]:
         "min_sparse_tokens": CategoricalDistribution(min_sparse),
         "certified_passes": CategoricalDistribution([2, 1]),
         "certified_rule": CategoricalDistribution(["histogram", "a_posteriori"]),
-        "estimate_share": CategoricalDistribution([1.0, 2.0, 3.0, 4.0]),
+        "estimate_share": CategoricalDistribution([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]),
     }
 
 

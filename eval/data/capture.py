@@ -121,6 +121,16 @@ def check_rope(model, rope: dict[str, Any] | None) -> None:
               f"attention factor {rotary.attention_scaling:.4f} (applied to q and k)")
 
 
+# Not a text: uniformly random token ids (seeded), the serving grid's random prompts. Their attention
+# is flat, the case the a-posteriori rule's check is hardest on (docs/design-notes.md, "Flat attention").
+RANDOM_TEXT = "random"
+
+
+def random_tokens(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    """``length`` uniformly random token ids in [0, vocab_size) as a LongTensor."""
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+
+
 def first_tokens(tokenizer, text: str, length: int) -> torch.Tensor:
     """The first ``length`` token ids of ``text`` as a LongTensor, tokenizing only a prefix."""
     chars = 8 * length
@@ -194,7 +204,10 @@ def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], nu
     bad = [l for l in layers if not 0 <= l < model.config.num_hidden_layers]
     if bad:
         raise ValueError(f"layers {bad} out of range for {model.config.num_hidden_layers} layers")
-    ids = first_tokens(AutoTokenizer.from_pretrained(model_dir), load_text(text, text_dir), length)
+    if text == RANDOM_TEXT:
+        ids = random_tokens(model.config.vocab_size, length)
+    else:
+        ids = first_tokens(AutoTokenizer.from_pretrained(model_dir), load_text(text, text_dir), length)
     start = time.perf_counter()
     nlls = run_chunks(model, ids, recorder, chunk_size)
     meta = trace_meta(model, model_dir, text, length, layers, rope, kv_dtype)
@@ -243,7 +256,8 @@ def ensure_traces(lengths: list[int], layers: list[int] = DEFAULT_LAYERS, text: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--text", choices=TEXT_NAMES, default="bible")
+    parser.add_argument("--text", choices=(*TEXT_NAMES, RANDOM_TEXT), default="bible",
+                        help=f"{RANDOM_TEXT!r}: uniformly random token ids (flat attention)")
     parser.add_argument("--texts-dir", type=Path, default=DEFAULT_TEXT_DIR)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS))
