@@ -250,6 +250,7 @@ def test_the_estimate_share_is_searched_under_the_a_posteriori_rule_only():
     space = build_space(CpuTarget().launch_space(), 1 << 15, "small")
     assert LouverConfig().certified_rule == "histogram" and "estimate_share" not in space.grid()
     grid = space.restrict({"certified_rule": ["a_posteriori"]}).grid()
-    assert grid["estimate_share"] == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0] and LouverConfig().estimate_share in grid["estimate_share"]
+    assert grid["estimate_share"] == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]
+    assert LouverConfig().estimate_share in grid["estimate_share"]
     assert "estimate_share" in CERTIFIED_ONLY
     assert policy_values({"estimate_share": 4.0, "page_size": 64}, "budget") == {"page_size": 64}
