@@ -60,6 +60,11 @@ class LouverConfig:
         (random tokens) shares above 4 fail it more often (docs/benchmarks.md, "The a-posteriori
         rule's estimate share"). Lower values run the band pass (or, with one pass, a second
         attend pass) less often but keep more; ``louver-tune`` searches it.
+      estimate_share_max: 0 (default) keeps the share at ``estimate_share``. Above it (at most
+        32; a-posteriori rule), callers that know their requests (the SGLang backend; the decode
+        benchmark's sequence mode) adapt the share per request and layer between 1 and this:
+        halved after a step with a lowered head, raised by √2 after 8 steps without one
+        (``decode.share_control``). Certification does not depend on the share.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 
@@ -90,6 +95,7 @@ class LouverConfig:
     certified_passes: int = 2
     certified_rule: str = "histogram"
     estimate_share: float = 3.0
+    estimate_share_max: float = 0.0
     sample_size: int = 256
     sink_pages: int = 1
     recent_pages: int = 1
@@ -128,6 +134,10 @@ class LouverConfig:
         _check_finite("estimate_share", self.estimate_share)
         if not 0.0 < self.estimate_share <= 8.0:
             raise ValueError(f"estimate_share must lie in (0, 8], got {self.estimate_share}")
+        _check_finite("estimate_share_max", self.estimate_share_max)
+        if self.estimate_share_max != 0.0 and not self.estimate_share <= self.estimate_share_max <= 32.0:
+            raise ValueError(f"estimate_share_max must be 0 (a fixed share) or lie in [estimate_share, 32] = "
+                             f"[{self.estimate_share}, 32], got {self.estimate_share_max}")
         _check_int("sample_size", self.sample_size, 1, 1 << 20)
         _check_int("sink_pages", self.sink_pages, 0, 1 << 20)
         _check_int("recent_pages", self.recent_pages, 0, 1 << 20)
@@ -142,6 +152,12 @@ class LouverConfig:
     def threshold(self) -> ThresholdPolicy:
         """The threshold policy of this config as one object (what every step asks, not the strings)."""
         return ThresholdPolicy.of(self)
+
+    @property
+    def adaptive_share(self) -> bool:
+        """Whether callers adapt the a-posteriori estimate share per request and layer
+        (``estimate_share_max`` above ``estimate_share`` under the a-posteriori rule)."""
+        return self.threshold.a_posteriori and self.estimate_share_max > self.estimate_share
 
     @property
     def grid_codes(self) -> bool:

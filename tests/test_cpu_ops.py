@@ -173,6 +173,7 @@ def test_step_stats_match_torch(own_dropped):
                                      num_indexed=num_indexed, fallback_fraction=0.25, h_kv=h_kv)
     want, want_any = step_stats_reference(t, z, per_head, per_req, masses, dropped, num_indexed, 0.25, h_kv)
     assert got_any is want_any is True
+    assert not bool(StepStats.from_packed(packed, num_indexed, num_indexed // 16).lowered.any())  # no checks here
     got = _unpacked(packed, num_indexed)
     assert torch.equal(got[4], torch.tensor([True, False, True, False]))
     for g, w in zip(got, want):
@@ -192,13 +193,16 @@ def _unpacked(packed, num_indexed):
 
 def test_packed_step_stats_behave_like_a_dataclass():
     """A packed StepStats unpacks once, compares equal to its eager twin and fails on unknown names."""
-    packed = torch.arange(2 * 4 * 4, dtype=torch.float64).view(2, 4, 4)
+    packed = torch.arange(2 * 4 * 5, dtype=torch.float64).view(2, 4, 5)
     packed[:, 3, 0] = torch.tensor([1.0, 0.0])
+    packed[..., 4] = (torch.arange(8).view(2, 4) % 3 == 0).double()
     lazy = StepStats.from_packed(packed, torch.tensor([64, 32]), torch.tensor([4, 2]))
+    # lowered alone leaves the rest packed; the first other field unpacks it once
+    assert lazy.lowered.tolist() == [[True, False, False], [False, False, True]] and "_packed" in lazy.__dict__
     eager = StepStats(**{name: getattr(lazy, name) for name in StepStats.__dataclass_fields__})
     assert "_packed" not in lazy.__dict__ and repr(lazy) == repr(eager)
     assert lazy.candidates.dtype == torch.long and lazy.threshold.dtype == torch.float32
-    assert lazy.dense_fallback.tolist() == [True, False] and lazy.pages_read.tolist() == [15, 31]
+    assert lazy.dense_fallback.tolist() == [True, False] and lazy.pages_read.tolist() == [18, 38]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lazy.nope
 

@@ -127,7 +127,7 @@ def test_a_failed_check_lowers_the_head_to_the_safe_level_at_z_att(impl):
     step = _step(impl, config, q, k, v, table, lens, store, attended=True)
     _, info = reference_decode(q, k, v, table, lens, store, SIGMA)
     torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=2e-2)
-    assert bool((step.stats.threshold[0] < -20.0).all())
+    assert bool((step.stats.threshold[0] < -20.0).all()) and bool(step.stats.lowered[0].all())
     if impl == "torch":
         assert torch.equal(step.attended[0], info[0]["attended"])
     else:
@@ -159,6 +159,7 @@ def test_lowered_heads_beside_passing_ones(impl):
     # compiled and fp32 bounds' checks may disagree: test_compiled_step_takes_the_reference_level)
     torch.testing.assert_close(step.stats.threshold[0], info[0]["threshold"], rtol=0, atol=2e-2)
     assert bool((step.stats.threshold[0, :3] < -20.0).all())  # lowered from ~14
+    assert step.stats.lowered[0].tolist() == [True] * 3 + [False] * 3
     spec = compiled_attended(q, k, table, lens, store, step.stats.threshold) if impl == "cpu" else None
     for b in range(len(LENS)):
         assert torch.equal(step.attended[b], spec[b] if spec is not None else info[b]["attended"])
@@ -169,3 +170,64 @@ def test_lowered_heads_beside_passing_ones(impl):
         assert bool((dropped <= step.stats.mass_bound[b].double() * (1 + 1e-6)).all())
         assert not bool(((scores >= step.stats.threshold[b, :, None].double()) & ~step.attended[b]).any())
     assert bool((step.stats.mass_bound < config.eps).all())
+
+
+@pytest.mark.parametrize("impl", [i for i in ("torch", "cpu") if i in implementations_here("cpu")])
+def test_a_share_per_request_is_that_requests_config_share(impl):
+    """``estimate_share`` [B] runs each request as a config with its share would (the same checks
+    and levels as the request alone under that config, up to the summation order of Z_att); shares
+    above the config's cap of 8 run too and certify (recall 1.0 and the dropped mass below eps
+    against fp64)."""
+    config, q, k, v, table, lens = _case(seed=4)
+    store = _store(config, k)
+    shares = torch.tensor([1.0, 6.0, 24.0], dtype=torch.float64)
+    launch = {"chunk_pages": 3} if impl == "cpu" else None
+    decode = LouverDecode(config, "cpu", impl=impl, launch=launch).plan(table, lens)
+    step = decode.run(q, k, v, store, SIGMA, stats=True, attended=True, estimate_share=shares)
+    for b, share in enumerate(shares.tolist()):
+        if share <= 8.0:
+            alone = _step(impl, config.with_(estimate_share=share), q[b:b + 1], k, v, table[b:b + 1], lens[b:b + 1],
+                          store)
+            # a lowered head's level divides by Z_att, whose sums run over other chunks alone
+            lowered = step.stats.lowered[b]
+            assert torch.equal(lowered, alone.stats.lowered[0])
+            assert torch.equal(step.stats.threshold[b][~lowered], alone.stats.threshold[0][~lowered])
+            torch.testing.assert_close(step.stats.threshold[b], alone.stats.threshold[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(step.out[b], alone.out[0], rtol=1e-4, atol=1e-5)
+        scores, _ = fp64_request(q, k, v, table, lens, b, 16)
+        dropped = (torch.softmax(SIGMA * scores, dim=1) * ~step.attended[b]).sum(1)
+        assert bool((dropped <= config.eps).all())
+        assert not bool(((scores >= step.stats.threshold[b, :, None].double()) & ~step.attended[b]).any())
+    assert bool((step.stats.mass_bound < config.eps).all())
+    # where request 2's check passed at share 24, its level is at or above its level at share 1
+    low = decode.run(q, k, v, store, SIGMA, stats=True, estimate_share=torch.ones(3, dtype=torch.float64))
+    passed = ~step.stats.lowered[2]
+    assert bool((step.stats.threshold[2][passed] >= low.stats.threshold[2][passed]).all())
+
+
+@pytest.mark.parametrize("shares, message", [
+    (torch.tensor([1.0, 2.0], dtype=torch.float64), r"\[B\] = \[3\]"),
+    (torch.tensor([1.0, 2.0, 3.0]), "float64"),
+    (torch.tensor([1.0, 0.0, 3.0], dtype=torch.float64), "positive and finite"),
+    (torch.tensor([1.0, float("inf"), 3.0], dtype=torch.float64), "positive and finite"),
+    ([1.0, 2.0, 3.0], "float64"),
+])
+def test_a_share_per_request_is_checked(shares, message):
+    config, q, k, v, table, lens = _case()
+    store = _store(config, k)
+    decode = LouverDecode(config, "cpu", impl="torch").plan(table, lens)
+    with pytest.raises(ValueError, match=message):
+        decode.run(q, k, v, store, SIGMA, estimate_share=shares)
+
+
+def test_a_share_per_request_needs_the_a_posteriori_rule_and_an_implementation_that_takes_it():
+    config, q, k, v, table, lens = _case()
+    store = _store(config, k)
+    ones = torch.ones(3, dtype=torch.float64)
+    histogram = LouverDecode(config.with_(certified_rule="histogram"), "cpu", impl="torch").plan(table, lens)
+    with pytest.raises(ValueError, match="for certified_rule='a_posteriori'"):
+        histogram.run(q, k, v, store, SIGMA, estimate_share=ones)
+    decode = LouverDecode(config, "cpu", impl="torch").plan(table, lens)
+    decode.impl.takes_shares = False
+    with pytest.raises(ValueError, match="takes no estimate share per request"):
+        decode.run(q, k, v, store, SIGMA, estimate_share=ones)

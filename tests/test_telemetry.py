@@ -14,8 +14,9 @@ from louver_sgl.serving.telemetry import Counts, Telemetry, log_line
 
 def _stats(seed: int, num_indexed=(640, 320)) -> StepStats:
     gen = torch.Generator().manual_seed(seed)
-    packed = torch.rand(2, 5, 4, generator=gen, dtype=torch.float64).mul(100).floor()
+    packed = torch.rand(2, 5, 5, generator=gen, dtype=torch.float64).mul(100).floor()
     packed[:, 4, 0] = torch.tensor([float(seed % 2), 0.0])  # dense fallback flags
+    packed[..., 4] = (packed[..., 0] > 80).double()  # lowered heads (the request row's column is unused)
     num_indexed = torch.tensor(num_indexed)
     return StepStats.from_packed(packed, num_indexed, num_indexed // 64)
 
@@ -36,6 +37,9 @@ def test_window_counts_paths_and_sums_sparse_steps_only(monkeypatch):
     skipped = sum(float(s.pages_skipped[r].sum()) for s, r in sparse)
     assert window["pages_skipped_fraction"] == skipped / sum(float(s.num_pages[r]) * 4 for s, r in sparse)
     assert window["mass_bound_max"] == max(float(s.mass_bound[r].max()) for s, r in sparse)
+    lowered = sum(bool(s.lowered[r].any()) for s, r in sparse)
+    assert 0 < window["lowered_steps"] == lowered < len(sparse)
+    assert window["lowered_step_fraction"] == lowered / len(sparse)
     assert not tel.pending
 
 
@@ -51,8 +55,10 @@ def test_device_counts_sum_what_the_host_counts_sum():
     drained, built = device.drain()
     assert drained.sparse_steps == host.sparse_steps > 0 and drained.dense_short_steps == host.dense_short_steps == 1
     assert drained.dense_fallback_steps == host.dense_fallback_steps > 0 and built == 3
-    for name in ("indexed_keys", "attended_keys", "indexed_pages", "pages_skipped", "mass_bound_max"):
+    for name in ("indexed_keys", "attended_keys", "indexed_pages", "pages_skipped", "mass_bound_max",
+                 "lowered_steps"):
         assert getattr(drained, name) == getattr(host, name), name
+    assert host.lowered_steps > 0
     assert device.drain() == (Counts(), 0)
 
 
@@ -84,7 +90,7 @@ def test_pending_steps_of_different_batches_sum_as_one_by_one():
     fallbacks give the same counts as adding each step on its own."""
     steps = [_stats(1), _stats(2, num_indexed=(0, 128)), _stats(3, num_indexed=(64, 0))]
     gen = torch.Generator().manual_seed(9)
-    packed = torch.rand(3, 5, 4, generator=gen, dtype=torch.float64).mul(100).floor()
+    packed = torch.rand(3, 5, 5, generator=gen, dtype=torch.float64).mul(100).floor()
     packed[:, 4, 0] = torch.tensor([0.0, 1.0, 0.0])
     steps.append(StepStats.from_packed(packed, torch.tensor([256, 512, 0]), torch.tensor([4, 8, 0])))
     one_by_one = Counts()

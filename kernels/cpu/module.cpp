@@ -49,5 +49,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }))
       .def("run", &LayerStep::run, "fused_step, statistics and output of one layer's step", pybind11::arg("q"),
            pybind11::arg("plan"), pybind11::arg("out") = pybind11::none(),
-           pybind11::arg("attended") = pybind11::none());
+           pybind11::arg("attended") = pybind11::none(), pybind11::arg("share") = pybind11::none());
 }

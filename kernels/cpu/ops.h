@@ -119,7 +119,8 @@ struct LayerStep {
   explicit LayerStep(louver_cpu::Named& args);
   std::tuple<torch::Tensor, torch::Tensor, bool> run(const torch::Tensor& q, StepPlan& plan,
                                                      std::optional<torch::Tensor> out,
-                                                     std::optional<torch::Tensor> attended) const;
+                                                     std::optional<torch::Tensor> attended,
+                                                     std::optional<torch::Tensor> share) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
   double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share;
   bool value_gate, one_pass, a_posteriori, one_scan, residual_weights;

@@ -17,8 +17,9 @@ double nan_max(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? N
 }  // namespace
 
 bool step_stats_packed(const float* t, const double* z, const int64_t* per_head, const int64_t* per_req,
-                       const double* masses, const double* index_dropped, const int64_t* num_indexed, int64_t B,
-                       int64_t H, double fallback_fraction, int64_t h_kv, double* packed) {
+                       const double* masses, const double* index_dropped, const uint8_t* lowered,
+                       const int64_t* num_indexed, int64_t B, int64_t H, double fallback_fraction, int64_t h_kv,
+                       double* packed) {
   bool any = false;
   for (int64_t b = 0; b < B; ++b) {
     // the torch path's comparison: int64 count against the fp32 product fraction · max(N·H_kv, 1)
@@ -30,16 +31,18 @@ bool step_stats_packed(const float* t, const double* z, const int64_t* per_head,
       const int64_t i = b * H + h;
       const double z_final = nan_max(z[2 * i] + z[2 * i + 1], z[2 * i] + masses[3 * i + 2]);
       const double dropped = index_dropped ? index_dropped[i] : masses[3 * i];
-      double* row = packed + (b * (H + 1) + h) * 4;
+      double* row = packed + (b * (H + 1) + h) * kStatsWidth;
       row[0] = t[i];
       row[1] = static_cast<double>(fallback ? num_indexed[b] : per_head[2 * i]);
       row[2] = static_cast<double>(per_head[2 * i + 1]);
       row[3] = fallback ? 0.0 : (dropped + masses[3 * i + 1]) / z_final;
+      row[4] = lowered && lowered[i] ? 1.0 : 0.0;
     }
-    double* row = packed + (b * (H + 1) + H) * 4;
+    double* row = packed + (b * (H + 1) + H) * kStatsWidth;
     row[0] = fallback ? 1.0 : 0.0;
     for (int j = 0; j < 3; ++j) row[1 + j] = static_cast<double>(per_req[b * 3 + j]);
     if (fallback) row[2] = static_cast<double>(num_indexed[b] * h_kv);  // dense attention reads every V row
+    row[4] = 0.0;
   }
   return any;
 }
@@ -50,7 +53,8 @@ bool step_stats_packed(const float* t, const double* z, const int64_t* per_head,
 // (masses of the dense part and the sample); per_head [B, H_q, 2] i64 (attended, pages skipped);
 // per_req [B, 3] i64 (union candidates, values read, pages read); masses [B, H_q, 3] f64;
 // index_dropped [B, H_q] f64, or empty to use masses[..., 0]; num_indexed [B] i64;
-// fallback_fraction; h_kv -> (packed statistics, see stats.h, and whether any request falls back).
+// fallback_fraction; h_kv -> (packed statistics, see stats.h, with no head lowered: the op has no
+// checks; and whether any request falls back).
 std::tuple<torch::Tensor, bool> step_stats(louver_cpu::Named& n) {
   const torch::Tensor t = n.tensor("t"), z = n.tensor("z"), per_head = n.tensor("per_head");
   const torch::Tensor per_req = n.tensor("per_req"), masses = n.tensor("masses");
@@ -63,10 +67,11 @@ std::tuple<torch::Tensor, bool> step_stats(louver_cpu::Named& n) {
                   masses.is_contiguous() && num_indexed.is_contiguous() && index_dropped.is_contiguous(),
               "step_stats: inputs must be contiguous");
   TORCH_CHECK(index_dropped.numel() == 0 || index_dropped.numel() == B * H, "step_stats: index_dropped must be [B, H_q]");
-  torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
+  torch::Tensor packed =
+      torch::empty({B, H + 1, louver_cpu::kStatsWidth}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = louver_cpu::step_stats_packed(
       t.data_ptr<float>(), z.data_ptr<double>(), per_head.data_ptr<int64_t>(), per_req.data_ptr<int64_t>(),
-      masses.data_ptr<double>(), index_dropped.numel() ? index_dropped.data_ptr<double>() : nullptr,
+      masses.data_ptr<double>(), index_dropped.numel() ? index_dropped.data_ptr<double>() : nullptr, nullptr,
       num_indexed.data_ptr<int64_t>(), B, H, fallback_fraction, h_kv, packed.data_ptr<double>());
   return {packed, any};
 }

@@ -148,8 +148,9 @@ void provisional_levels(StepPlan& p, const double* z_level, double sigma, double
 
 // The one-pass check (threshold.provisional_certified): a head is certified at its provisional T
 // when the attend pass's index-dropped mass times (1 + rounding) fits eps_budget·Z_lb; that
-// product is its certificate. Returns per request whether some head failed (NaN fails).
-std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding) {
+// product is its certificate. Returns per request whether some head failed (NaN fails); marks the
+// failed heads in lowered [B·H_q].
+std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rounding, uint8_t* lowered) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double* masses = p.masses.data_ptr<double>();
   const double* z_lb = p.z_lb.data_ptr<double>();
@@ -159,7 +160,7 @@ std::vector<char> certify_provisional(StepPlan& p, double eps_budget, double rou
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
       cert[i] = masses[3 * i] * (1.0 + rounding);
-      if (!(cert[i] <= eps_budget * z_lb[i])) failed[b] = 1;
+      if (!(cert[i] <= eps_budget * z_lb[i])) failed[b] = 1, lowered[i] = 1;
     }
   return failed;
 }
@@ -177,8 +178,10 @@ double attended_z(const StepPlan& p, int64_t i) {
 // the attend pass's union candidates, masses[..., 2]) is certified there with that product; a head
 // where it does not (or is NaN) is lowered to the safe level at Z_att, where every dropped unit's
 // bound is below T, so the mass dropped is below n·e^{σ(T − ref)} ≤ eps_budget·Z_att: its
-// certificate (0 where T = −inf). Returns per request whether some head was lowered.
-std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding) {
+// certificate (0 where T = −inf). Returns per request whether some head was lowered; marks the
+// lowered heads in lowered [B·H_q].
+std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding,
+                                   uint8_t* lowered) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double* masses = p.masses.data_ptr<double>();
   const float* ref = p.ref.data_ptr<float>();
@@ -194,7 +197,7 @@ std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget,
       if (cert[i] <= eps_budget * z_att) continue;  // certified at the provisional level
       t[i] = safe_level(ref[i], z_att, n_idx[b], sigma, eps_budget, rounding);
       cert[i] = t[i] == -INFINITY ? 0.0 : eps_budget * z_att;
-      band[b] = 1;
+      band[b] = 1, lowered[i] = 1;
     }
   return band;
 }
@@ -211,9 +214,10 @@ void keep_rows(const std::vector<char>& failed, const torch::Tensor& t_kept, tor
 }
 
 // The a-posteriori rule's estimate of Z into z_est (threshold.estimated_z): per (request, head)
-// max(Z_lb, share·(Z_dense + Z_sample·n_indexed / samples)); the certified pass picks the first
-// level against it.
-void estimated_z(StepPlan& p, double share, double* z_est) {
+// max(Z_lb, share·(Z_dense + Z_sample·n_indexed / samples)), share the request's own where
+// shares [B] is given (LayerStep::run's share), else the layer's; the certified pass picks the
+// first level against it.
+void estimated_z(StepPlan& p, double share, const double* shares, double* z_est) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const double* z = p.z.data_ptr<double>();
   const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
@@ -224,7 +228,7 @@ void estimated_z(StepPlan& p, double share, double* z_est) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t i = b * H + h;
       const double scaled = z[2 * i + 1] * double(n_idx[b]) / double(std::max<int64_t>(samples[b], 1));
-      z_est[i] = std::max(z[2 * i] + z[2 * i + 1], share * (z[2 * i] + scaled));
+      z_est[i] = std::max(z[2 * i] + z[2 * i + 1], (shares ? shares[b] : share) * (z[2 * i] + scaled));
     }
 }
 
@@ -254,9 +258,10 @@ std::vector<float> histogram_levels(const StepPlan& p, double sigma, double eps_
 // = max(Z_lb, Z_dense + the exact mass of the first pass's union candidates, masses[..., 2]); a
 // head whose certificate (the bound at its first level) does not fit eps_budget·Z_att takes the
 // largest edge whose bound (the histogram's cumulative sums) does, its certificate that bound (T
-// = −inf and 0 where none fits). Returns per request whether some head was lowered.
+// = −inf and 0 where none fits). Returns per request whether some head was lowered; marks the
+// lowered heads in lowered [B·H_q].
 std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_budget, double rounding,
-                                       const Edges& edges) {
+                                       const Edges& edges, uint8_t* lowered) {
   const int64_t B = p.q32.size(0), H = p.q32.size(1);
   const float* ref = p.ref.data_ptr<float>();
   float* t = p.t.data_ptr<float>();
@@ -271,7 +276,7 @@ std::vector<uint8_t> lower_uncertified(StepPlan& p, double sigma, double eps_bud
       const int64_t edge = fitting_edge(p, i, eps_budget * z_att, rounding, edges, &fit);
       t[i] = edge_threshold(edge, ref[i], sigma, edges);
       cert[i] = edge < 0 ? 0.0 : fit;
-      band[b] = 1;
+      band[b] = 1, lowered[i] = 1;
     }
   return band;
 }
@@ -420,7 +425,8 @@ LayerStep::LayerStep(Named& n)
 
 std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tensor& q, StepPlan& p,
                                                               std::optional<torch::Tensor> out,
-                                                              std::optional<torch::Tensor> attended) const {
+                                                              std::optional<torch::Tensor> attended,
+                                                              std::optional<torch::Tensor> share) const {
   const int64_t B = p.q32.size(0), H = p.q32.size(1), D = p.q32.size(2), DV = p.result.size(2);
   TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == H && q.size(2) == D,
                     "louver step: the plan is for queries [B, H_q, D] = [", B, ", ", H, ", ", D, "], got q ",
@@ -433,6 +439,17 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     TORCH_CHECK_VALUE(out->device().is_cpu() && out->dim() == 3 && out->size(0) == B && out->size(1) == H &&
                           out->size(2) == DV && at::isFloatingType(out->scalar_type()),
                       "louver step: out must be a float CPU tensor [B, H_q, D_v] like the result");
+  const double* shares = nullptr;
+  if (share.has_value()) {
+    TORCH_CHECK_VALUE(a_posteriori, "louver step: a share per request is for the a-posteriori rule only");
+    TORCH_CHECK_VALUE(share->device().is_cpu() && share->scalar_type() == at::kDouble && share->is_contiguous() &&
+                          share->dim() == 1 && share->size(0) == B,
+                      "louver step: share must be a contiguous fp64 CPU tensor [B] = [", B, "], got ", share->sizes());
+    shares = share->data_ptr<double>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK_VALUE(std::isfinite(shares[b]) && shares[b] > 0, "louver step: share[", b, "] = ", shares[b],
+                        " is not a positive finite number");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "louver_step_q", [&] {
     copy_heads(q.data_ptr<scalar_t>(), strides3(q), p.q32.data_ptr<float>(), strides3(p.q32), B, H, D);
   });
@@ -453,6 +470,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
   const bool certified = eps_budget >= 0;
   bool totals_summed = false;  // the one-pass check already summed the final attend pass's chunks
   std::vector<int64_t> unskipped;  // a-posteriori: pages the lowered levels keep, per (request, head)
+  std::vector<uint8_t> lowered(B * H, 0);  // heads whose first level failed its check
   // one scan: per (request, head) the pages below T, per request the pages read (−1: the request
   // took the two passes, whose attend pass counted them)
   std::vector<int64_t> scan_counts, scan_read;
@@ -478,19 +496,19 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     c.hist = p.hist, c.habs = p.habs, c.t = p.t, c.certificate = p.certificate;
     if (a_posteriori && one_pass && p.page_ids.numel() > 0) {  // the one-pass rule a posteriori
       std::vector<double> z_est(B * H);
-      estimated_z(p, estimate_share, z_est.data());
+      estimated_z(p, estimate_share, shares, z_est.data());
       provisional_levels(p, z_est.data(), sigma, eps_budget, rounding);
       AttendArgs first = a;
       first.tight_dropped = true;  // the check needs each dropped token's own bound mass
       if (attended.has_value()) attended->zero_();
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-      const std::vector<uint8_t> lowered = lower_to_safe(p, sigma, eps_budget, rounding);
-      if (std::find(lowered.begin(), lowered.end(), 1) != lowered.end()) {
+      const std::vector<uint8_t> again_req = lower_to_safe(p, sigma, eps_budget, rounding, lowered.data());
+      if (std::find(again_req.begin(), again_req.end(), 1) != again_req.end()) {
         // requests with a lowered head attend again at their final levels (a superset of the
         // first pass's set: its chunk states are replaced, the other requests' kept)
         AttendArgs again = a;
-        again.only_req = lowered.data();
+        again.only_req = again_req.data();
         run_with(again, kAttend);
       }
       return run_with(a, kMerge);
@@ -498,7 +516,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     if (a_posteriori && !one_pass && p.page_ids.numel() > 0) {  // no indexed page: the histogram path
       TORCH_CHECK(p.band_m.numel() > 0, "louver step: an a-posteriori layer needs a plan with band buffers");
       torch::Tensor z_est = p.z_lb.clone();  // the first level's denominator (z_lb keeps the exact part's)
-      estimated_z(p, estimate_share, z_est.data_ptr<double>());
+      estimated_z(p, estimate_share, shares, z_est.data_ptr<double>());
       c.z_lb = z_est;
       run_certified_pass(c);
       const std::vector<float> reserve_levels = histogram_levels(p, sigma, eps_budget, rounding, edges);
@@ -511,7 +529,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
       const torch::Tensor t0 = p.t.clone();
-      const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges);
+      const std::vector<uint8_t> band = lower_uncertified(p, sigma, eps_budget, rounding, edges, lowered.data());
       if (std::find(band.begin(), band.end(), 1) != band.end()) {
         AttendArgs ab = first;  // the band: the reserve's keys at the lowered levels
         ab.t_reserve = nullptr, ab.page_bound_out = nullptr, ab.band = true, ab.band_req = band.data();
@@ -575,7 +593,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     provisional_levels(p, z_lb, sigma, eps_budget, rounding);
     run(kAttendMerge);
     chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding);
+    const std::vector<char> failed = certify_provisional(p, eps_budget, rounding, lowered.data());
     totals_summed = std::find(failed.begin(), failed.end(), 1) == failed.end();
     if (totals_summed) return;
     // the rare path: the certified pass (every request), then the passing requests' provisional
@@ -592,10 +610,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
     if (scan_counts[i] >= 0) per_head[2 * i + 1] = scan_counts[i];
   for (int64_t b = 0; b < static_cast<int64_t>(scan_read.size()); ++b)
     if (scan_read[b] >= 0) p.per_req.data_ptr<int64_t>()[3 * b + 2] = scan_read[b];
-  torch::Tensor packed = torch::empty({B, H + 1, 4}, torch::TensorOptions().dtype(torch::kDouble));
+  torch::Tensor packed = torch::empty({B, H + 1, kStatsWidth}, torch::TensorOptions().dtype(torch::kDouble));
   const bool any = step_stats_packed(p.t.data_ptr<float>(), p.z.data_ptr<double>(), p.per_head.data_ptr<int64_t>(),
                                      p.per_req.data_ptr<int64_t>(), p.masses.data_ptr<double>(),
-                                     certified ? p.certificate.data_ptr<double>() : nullptr,
+                                     certified ? p.certificate.data_ptr<double>() : nullptr, lowered.data(),
                                      p.num_indexed.data_ptr<int64_t>(), B, H, fallback_fraction, k_cache.size(1),
                                      packed.data_ptr<double>());
   torch::Tensor dest = out.has_value() ? *out : torch::empty({B, H, DV}, torch::TensorOptions().dtype(q.scalar_type()));

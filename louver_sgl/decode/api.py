@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..config import LouverConfig
-from .contract import Capacity, DecodeImplementation, DecodeResult, HeadShapes
+from .contract import Capacity, DecodeImplementation, DecodeResult, HeadShapes, check_shares
 
 # name -> "module:Class" (imported when first asked for: the Triton module needs triton)
 _IMPLEMENTATIONS: dict[str, str | type] = {
@@ -147,7 +147,8 @@ class LouverDecode:
         return self._plan
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store, sigma: float,
-            out: torch.Tensor | None = None, stats: bool = False, attended: bool = False) -> DecodeResult:
+            out: torch.Tensor | None = None, stats: bool = False, attended: bool = False,
+            estimate_share: torch.Tensor | None = None) -> DecodeResult:
         """One decode step of the planned batch for one layer.
 
         Args:
@@ -159,6 +160,9 @@ class LouverDecode:
             stats: also return the ``StepStats``. attended: also return, per request, the bool
                 ``[H_q, L]`` attended key set, the one the step itself attended (every implementation;
                 an audit aid: it adds a buffer write per attended key and a host loop).
+            estimate_share: optional fp64 ``[B]`` CPU tensor, the a-posteriori rule's estimate share
+                per request in place of the config's ``estimate_share`` (``share_control.ShareControl``
+                picks it per request and layer; implementations with ``takes_shares``).
 
         Returns a ``DecodeResult``: ``out`` ``[B, H_q, D_v]`` in q's dtype, ``stats`` (None unless
         ``stats`` or ``attended``) and ``attended`` (None unless ``attended``).
@@ -169,8 +173,15 @@ class LouverDecode:
         if attended and not self.impl.returns_attended:
             raise ValueError(f"the {self.impl_name!r} decode implementation does not return the attended set; "
                              "use impl='torch'")
+        shares = {}
+        if estimate_share is not None:
+            if not self.impl.takes_shares:
+                raise ValueError(f"the {self.impl_name!r} decode implementation takes no estimate share per request; "
+                                 "use impl='cpu' or 'torch'")
+            check_shares(estimate_share, q.shape[0], self.config)
+            shares["estimate_share"] = estimate_share
         result = self.impl.run(plan, q=q, k_cache=k_cache, v_cache=v_cache, store=store, sigma=sigma, out=out,
-                               stats=stats, attended=attended)
+                               stats=stats, attended=attended, **shares)
         if result.stats is not None and not (stats or attended):  # implementations may count anyway
             return DecodeResult(result.out)
         return result

@@ -194,9 +194,12 @@ class StepStats:
     dense fallback), num_indexed ``[B]``, num_pages ``[B]``, dense_fallback ``[B]`` bool,
     values_read ``[B]`` (V rows read for indexed keys, all KV heads), union_candidates ``[B]``
     (candidate rows over all KV heads: keys read), pages_read ``[B]`` (indexed pages whose codes
-    were read because some head kept the page). A dense fallback is decided by union_candidates
-    (more than ``dense_fallback_fraction`` of num_indexed · H_kv); such a request reads every V row
-    (values_read = num_indexed · H_kv), its union_candidates and pages_read stay the filter's.
+    were read because some head kept the page), lowered (bool: heads whose first level failed
+    its check and were set again: the one-pass rule's and the a-posteriori rules' checks; never
+    under the other policies; each implementation checks its own bounds, so two can differ). A
+    dense fallback is decided by union_candidates (more than ``dense_fallback_fraction`` of
+    num_indexed · H_kv); such a request reads every V row (values_read = num_indexed · H_kv), its
+    union_candidates and pages_read stay the filter's.
     """
 
     threshold: torch.Tensor
@@ -209,12 +212,13 @@ class StepStats:
     values_read: torch.Tensor
     union_candidates: torch.Tensor
     pages_read: torch.Tensor
+    lowered: torch.Tensor
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, num_indexed: torch.Tensor, num_pages: torch.Tensor) -> "StepStats":
-        """Statistics of the compiled step, packed as fp64 ``[B, H_q + 1, 4]`` (row h < H_q: head h's
-        threshold, candidates, pages skipped, mass bound; row H_q: the request's dense fallback 0/1,
-        union candidates, values read, pages read; kernels/cpu/stats.h). The fields are unpacked on
+        """Statistics of the compiled step, packed as fp64 ``[B, H_q + 1, 5]`` (row h < H_q: head h's
+        threshold, candidates, pages skipped, mass bound, lowered 0/1; row H_q: the request's dense
+        fallback 0/1, union candidates, values read, pages read; kernels/cpu/stats.h). The fields are unpacked on
         first access: a step then creates one tensor for its statistics, not eight (at batch 1
         each costs microseconds once a layer has swept the caches)."""
         stats = cls.__new__(cls)
@@ -227,18 +231,22 @@ class StepStats:
         if packed is None or name not in _PACKED_FIELDS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         heads = packed.shape[1] - 1
+        if name == "lowered":  # read every step by share control: alone, the rest stays packed
+            self.__dict__["lowered"] = packed[:, :heads, 4] != 0
+            return self.__dict__["lowered"]
         per_head, per_req = packed[:, :heads], packed[:, heads]
         self.__dict__.update(
             threshold=per_head[..., 0].float(), candidates=per_head[..., 1].long(),
             pages_skipped=per_head[..., 2].long(), mass_bound=per_head[..., 3].contiguous(),
             dense_fallback=per_req[:, 0] != 0, union_candidates=per_req[:, 1].long(),
             values_read=per_req[:, 2].long(), pages_read=per_req[:, 3].long())
+        self.__dict__.setdefault("lowered", per_head[..., 4] != 0)
         del self.__dict__["_packed"]
         return self.__dict__[name]
 
 
 _PACKED_FIELDS = frozenset(("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback",
-                            "union_candidates", "values_read", "pages_read"))
+                            "union_candidates", "values_read", "pages_read", "lowered"))
 
 
 # ----- the implementation interface --------------------------------------------------------------
@@ -303,6 +311,7 @@ class DecodeImplementation:
 
     name: str = ""
     returns_attended: bool = False  # whether run can return the attended key set
+    takes_shares: bool = False  # whether run takes an estimate share per request (estimate_share)
     # whether tokens are gated (and certified) with the int8 token bounds of
     # ``reference_compiled.int8_token_bounds_reference`` instead of the store's fp32 ones
     int8_token_bounds: bool = False
@@ -329,9 +338,25 @@ class DecodeImplementation:
 
     def run(self, plan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, store: PageIndexStore,
             sigma: float, out: torch.Tensor | None = None, stats: bool = False,
-            attended: bool = False) -> DecodeResult:
-        """One step of ``plan`` for one layer: arguments as ``LouverDecode.run``."""
+            attended: bool = False, **shares) -> DecodeResult:
+        """One step of ``plan`` for one layer: arguments as ``LouverDecode.run`` (``estimate_share``
+        only where ``takes_shares``)."""
         raise NotImplementedError
+
+
+def check_shares(shares: torch.Tensor, batch: int, config: LouverConfig) -> None:
+    """An estimate share per request (``LouverDecode.run``'s ``estimate_share``): fp64 ``[B]`` on
+    the CPU, every value positive and finite, for a policy whose certified rule is a posteriori
+    (the only one that reads it)."""
+    if not config.threshold.a_posteriori:
+        raise ValueError("estimate_share per request is for certified_rule='a_posteriori'; this policy is "
+                         f"{config.policy!r} ({config.certified_rule!r} rule)")
+    if not isinstance(shares, torch.Tensor) or shares.dtype != torch.float64 or shares.device.type != "cpu" \
+            or tuple(shares.shape) != (batch,):
+        raise ValueError(f"estimate_share must be a float64 CPU tensor [B] = [{batch}], got "
+                         f"{getattr(shares, 'dtype', type(shares).__name__)} {tuple(getattr(shares, 'shape', ()))}")
+    if not bool(((shares > 0) & torch.isfinite(shares)).all()):
+        raise ValueError(f"estimate_share must be positive and finite, got {shares.tolist()}")
 
 
 def check_inputs(q, k_cache, v_cache, store, config: LouverConfig) -> None:

@@ -28,7 +28,8 @@ class FilterResult:
     surviving ``[NS]`` int64 rows of the plan's page list; keep ``[NS, P, H_q]`` bool token
     candidates (None when the token pass is left to a fused kernel); pages_skipped ``[B, H_q]``;
     page_mass and dropped ``[B, H_q]`` fp64 bounds on Σ exp(σ·(s − ref)) over skipped pages and
-    over all dropped indexed keys.
+    over all dropped indexed keys; lowered ``[B, H_q]`` bool: heads whose first level failed its
+    check (``StepStats.lowered``; None where the rule has no check).
     """
 
     threshold: torch.Tensor
@@ -39,6 +40,7 @@ class FilterResult:
     pages_skipped: torch.Tensor
     page_mass: torch.Tensor
     dropped: torch.Tensor
+    lowered: torch.Tensor | None = None
 
 
 def run_filter(
@@ -136,6 +138,7 @@ def a_posteriori_second(first: FirstLevel, ref, z_att, sigma: float, config: Lou
                                               config.eps * th.BUDGET_SAFETY)
     filt = _apply(t, first.pb, first.x_page, first.tok, first.x_tok, first.page_req, torch.arange(len(first.pb)),
                   cert)
+    filt.lowered = band
     return filt, band
 
 
@@ -150,11 +153,13 @@ def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverCo
     ok, certificate = th.provisional_certified(provisional.dropped, z_lb, eps_budget, th.HIST_ROUNDING)
     failed = ~ok.all(dim=1)
     if not bool(failed.any()):
-        provisional.dropped = certificate
+        provisional.dropped, provisional.lowered = certificate, ~ok
         return provisional
     t_c, cert_c, _, _ = th.certified_choice(pb, tok, page_req, ref, z_lb, sigma, eps_budget, th.HIST_ROUNDING)
     t = torch.where(failed[:, None], t_c, provisional.threshold)
-    return _refilter(t, pb, tok, page_req, ref, sigma, torch.where(failed[:, None], cert_c, certificate))
+    filt = _refilter(t, pb, tok, page_req, ref, sigma, torch.where(failed[:, None], cert_c, certificate))
+    filt.lowered = ~ok
+    return filt
 
 
 def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: LouverConfig) -> FilterResult:
@@ -176,9 +181,11 @@ def one_pass_a_posteriori_check(provisional: FilterResult, pb, tok, page_req, re
     t, certificate, lowered = th.lowered_to_safe(provisional.threshold, provisional.dropped, z_att, ref, num_indexed,
                                                  sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
     if not bool(lowered.any()):
-        provisional.dropped = certificate
+        provisional.dropped, provisional.lowered = certificate, lowered
         return provisional, lowered
-    return _refilter(t, pb, tok, page_req, ref, sigma, certificate), lowered
+    filt = _refilter(t, pb, tok, page_req, ref, sigma, certificate)
+    filt.lowered = lowered
+    return filt, lowered
 
 
 def _refilter(t, pb, tok, page_req, ref, sigma: float, certificate=None) -> FilterResult:

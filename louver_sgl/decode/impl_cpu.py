@@ -105,6 +105,7 @@ class CpuDecode(DecodeImplementation):
     name = "cpu"
     int8_token_bounds = True
     returns_attended = True  # debug only: the attend pass writes the set it attended
+    takes_shares = True
 
     def __init__(self, config, device, launch, shapes, capacity) -> None:
         super().__init__(config, device, launch, shapes, capacity)
@@ -140,7 +141,7 @@ class CpuDecode(DecodeImplementation):
 
     def run(self, plan: DecodePlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
-            attended: bool = False) -> DecodeResult:
+            attended: bool = False, estimate_share: torch.Tensor | None = None) -> DecodeResult:
         layer = self.layers.get((id(k_cache), id(v_cache), id(store), sigma))
         if layer is None:
             layer = self._layer(plan, q, k_cache, v_cache, store, sigma)
@@ -148,10 +149,10 @@ class CpuDecode(DecodeImplementation):
         if side is None:
             side = self._plan_side(plan, q.shape[1], k_cache.shape[1], q.shape[2], v_cache.shape[2])
         if not attended:
-            out, step_stats = layer.run(q, plan, side, out)
+            out, step_stats = layer.run(q, plan, side, out, share=estimate_share)
             return DecodeResult(out, step_stats)
         keep = torch.empty(len(plan.page_ids), plan.page_size, q.shape[1], dtype=torch.uint8)
-        out, step_stats = layer.run(q, plan, side, out, keep)
+        out, step_stats = layer.run(q, plan, side, out, keep, estimate_share)
         return DecodeResult(out, step_stats, attended_masks(keep, plan, self.config))
 
     def _layer(self, plan: DecodePlan, q, k_cache, v_cache, store, sigma: float) -> "CompiledLayer":
@@ -310,11 +311,13 @@ class CompiledLayer:
         # which must not be reused while the entry lives
         self.plan_key, self.k_cache, self.v_cache, self.store, self.sigma = plan_key, k_cache, v_cache, store, sigma
 
-    def run(self, q, plan: DecodePlan, cpu: tuple, out=None, keep: torch.Tensor | None = None):
+    def run(self, q, plan: DecodePlan, cpu: tuple, out=None, keep: torch.Tensor | None = None,
+            share: torch.Tensor | None = None):
         """One step: ``(out [B, H_q, D_v] in q's dtype, StepStats)``; ``cpu`` is
         ``plan.derived[self.plan_key]``. Requests over the fallback fraction get dense attention.
-        ``keep`` (debug only): a u8 ``[NP, P, H_q]`` buffer the step fills with its attended set."""
-        out, packed, any_fallback = self.layer.run(q, cpu[2], out, keep)
+        ``keep`` (debug only): a u8 ``[NP, P, H_q]`` buffer the step fills with its attended set.
+        ``share``: the a-posteriori estimate share per request ``[B]`` fp64 (None: the policy's)."""
+        out, packed, any_fallback = self.layer.run(q, cpu[2], out, keep, share)
         stats = StepStats.from_packed(packed, plan.num_indexed, plan.num_pages)
         if any_fallback and self.dense_layer is not None:
             _dense_fallback(self.dense_layer, q, cpu, stats, out, plan, keep)

@@ -34,6 +34,7 @@ class TorchDecode(DecodeImplementation):
 
     name = "torch"
     returns_attended = True
+    takes_shares = True
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:
@@ -44,28 +45,33 @@ class TorchDecode(DecodeImplementation):
 
     def run(self, plan: DecodePlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
-            attended: bool = False) -> DecodeResult:
+            attended: bool = False, estimate_share: torch.Tensor | None = None) -> DecodeResult:
         check_inputs(q, k_cache, v_cache, store, self.config)
         if plan.batch_size != q.shape[0]:
             raise ValueError(f"the plan is for {plan.batch_size} requests, q has {q.shape[0]}")
-        step = run_decode(q, k_cache, v_cache, plan, store, sigma, self.config, out, keep_parts=attended)
+        step = run_decode(q, k_cache, v_cache, plan, store, sigma, self.config, out, keep_parts=attended,
+                          share=estimate_share)
         masks = attended_masks(*step[2], plan, q.shape[1], k_cache.shape[0]) if attended else None
         return DecodeResult(step[0], step[1], masks)
 
 
-def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None, keep_parts: bool = False):
+def run_decode(q, k_cache, v_cache, plan: DecodePlan, store, sigma, config, out=None, keep_parts: bool = False,
+               share: torch.Tensor | None = None):
     """One step for a prepared ``plan``: ``(out [B, H_q, D_v] in q's dtype, StepStats, parts)``,
-    parts = (candidates, value gate, fallback mask) when ``keep_parts`` (else None)."""
+    parts = (candidates, value gate, fallback mask) when ``keep_parts`` (else None). ``share``:
+    the a-posteriori rule's estimate share per request ``[B]`` fp64 (default the config's)."""
+    share = config.estimate_share if share is None else share
     batch, heads, _ = q.shape
     q32 = q.to(torch.float32)
     ex = exact_part(q32, k_cache, plan, sigma)
     rows = q32.view(batch, store.num_kv_heads, -1, q.shape[-1])[plan.page_req]
     bounds = store.page_bounds(rows, plan.page_ids)
     if config.threshold.band_pass:
-        filt, cand = _a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
+        filt, cand = _a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config, share)
         union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
     elif config.threshold.one_pass_a_posteriori:
-        filt, cand, union, fallback = _one_pass_a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config)
+        filt, cand, union, fallback = _one_pass_a_posteriori(q32, k_cache, store, bounds, plan, ex, sigma, config,
+                                                             share)
     else:
         filt = run_filter(store, bounds, plan.page_ids, plan.page_req, ex.ref, ex.z_lb, ex.sample, sigma, config)
         union, fallback = _fallback_mask(filt, plan, store.num_kv_heads, config)
@@ -127,17 +133,17 @@ def _union_rows(filt: FilterResult, plan: DecodePlan, h_kv: int) -> torch.Tensor
     return full
 
 
-def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
+def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config, share):
     """The a-posteriori certified rule (``filter.a_posteriori_filter`` / ``a_posteriori_second``):
     candidates at the first level are scored, their exact mass with the dense part's is Z_att,
     and the heads whose check fails add the band between the two levels (the final level's union
     minus the first's: no key is scored twice). Returns (FilterResult at the final level,
-    candidates of both passes)."""
+    candidates of both passes). ``share``: the estimate share, a float or ``[B]`` fp64."""
     heads = ex.ref.shape[1]
     h_kv = k_cache.shape[1]
     pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
     tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
-    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
+    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], share)
     first, level = a_posteriori_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     _, fallback = _fallback_mask(first, plan, h_kv, config)
     cand = _candidates(q32, k_cache, first, plan, fallback)
@@ -151,17 +157,18 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
     return filt, _cat(cand, _score(q32, k_cache, extra, torch.arange(len(plan.page_ids)), plan))
 
 
-def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config):
+def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, sigma, config, share):
     """The one-pass rule a posteriori (``filter.provisional_filter`` at Z_est,
     ``one_pass_a_posteriori_check`` against Z_att): the candidates at the provisional level are
     scored, their exact mass with the dense part's is Z_att (every candidate's, as the compiled
     step sums it before its fallback decision), and where a head was lowered the candidates are
-    filtered and scored again at the final T. Returns (FilterResult, candidates, union, fallback)."""
+    filtered and scored again at the final T (``share``: the estimate share, a float or ``[B]``
+    fp64). Returns (FilterResult, candidates, union, fallback)."""
     batch, heads = ex.ref.shape
     h_kv = k_cache.shape[1]
     pb = bounds.page_bound.reshape(len(plan.page_ids), heads)
     tok = store.token_bounds(bounds, plan.page_ids).reshape(len(plan.page_ids), plan.page_size, heads)
-    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], config.estimate_share)
+    z_est = th.estimated_z(ex.z_dense, ex.z_lb - ex.z_dense, plan.num_indexed, ex.sample[1], share)
     provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
     z_att = _attended_z(cand, ex, sigma)
@@ -320,6 +327,7 @@ def _stats(filt: FilterResult, cand: _Candidates, gate: _Gate, plan, union, fall
         dense_fallback=fallback, values_read=torch.where(fallback, plan.num_indexed * h_kv, values),
         union_candidates=union.long(),
         pages_read=torch.bincount(plan.page_req[filt.surviving], minlength=batch),
+        lowered=filt.lowered if filt.lowered is not None else torch.zeros(batch, heads, dtype=torch.bool),
     )
 
 

@@ -91,6 +91,7 @@ class GpuWorkspace:
     z_own: torch.Tensor  # [Bmax, H_kv, S, BG] fp64: lower bound of each split's attended mass per head
     union: torch.Tensor  # [Bmax] int64: union candidates (the fallback decision)
     fallback: torch.Tensor  # [Bmax] bool: requests over the dense-fallback fraction
+    lowered: torch.Tensor  # [Bmax, H_q] bool: the one-pass rule's heads whose check failed (StepStats.lowered)
     max_pages: int
     band: BandBuffers | None = None  # the a-posteriori rule's buffers, where the config asks for it
 
@@ -119,6 +120,7 @@ class GpuWorkspace:
             z_own=torch.zeros(state, **f64),
             union=torch.zeros(max_batch, dtype=torch.int64, device=device),
             fallback=torch.zeros(max_batch, dtype=torch.bool, device=device),
+            lowered=torch.zeros(max_batch, heads_q, dtype=torch.bool, device=device),
             max_pages=max_pages,
         )
         if config.threshold.band_pass:
@@ -233,6 +235,9 @@ class TritonDecode(TritonImplementation):
         if config.threshold.one_pass_a_posteriori:
             cls.reject("certified_rule", "a_posteriori", "with certified_passes=1: its one-pass check divides by "
                        "Z_lb on the device (use certified_passes=2 for the a-posteriori rule)")
+        if config.adaptive_share:
+            cls.reject("estimate_share_max", config.estimate_share_max, "its steps replay CUDA graphs with the "
+                       "config's one estimate share (leave estimate_share_max at 0)")
 
     def run(self, plan: TritonPlan, *, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             store: PageIndexStore, sigma: float, out: torch.Tensor | None = None, stats: bool = False,
@@ -452,6 +457,7 @@ def step_stats(ws: GpuWorkspace, heads: int, config: LouverConfig) -> StepStats:
         union_candidates=counts[:, :, :, 2, 0].sum((1, 2)),
         values_read=torch.where(fallback, num_indexed * h_kv, sparse_values),
         pages_read=counts[:, :, :, 4, 0].sum((1, 2)),
+        lowered=(ws.band.lowered if ws.band is not None else ws.lowered).clone(),
     )
 
 

@@ -160,6 +160,7 @@ def _one_pass_thresholds(q, k_cache, ws: GpuWorkspace, lists: SurvivorLists, sto
     batch, heads = ws.ref.shape
     dropped = lists.dropped64[..., : heads // h_kv].sum(2).reshape(batch, heads)
     ok, certificate = th.provisional_certified(dropped, ws.z_lb, eps_budget, HIST_ROUNDING)
+    torch.logical_not(ok, out=ws.lowered)
     torch.logical_not(ok.all(dim=1), out=lists.failed)
     kern.certified_hist(q, table, lens, store.tensors, ws.ref, ws.hist, ws.habs, sigma, layout,
                         config.min_sparse_tokens, config.grid_bits, EDGES, launch, flagged=lists.failed)

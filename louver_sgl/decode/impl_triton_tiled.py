@@ -310,5 +310,6 @@ def tiled_stats(ws: TiledWorkspace, heads: int, config: LouverConfig) -> StepSta
         values_read=torch.where(fallback, num_indexed * h_kv, counts[:, :, :, 1, 0].sum((1, 2))),
         pages_read=(num_indexed // config.page_size) * h_kv if policy.dense
         else ws.tile_pages[..., -1].long().sum((1, 2)),
+        lowered=torch.zeros_like(ws.threshold, dtype=torch.bool),  # its rules have no check to fail
     )
 

@@ -179,11 +179,14 @@ def histogram_bound(hist: torch.Tensor, habs: torch.Tensor, rounding: float,
 
 
 def estimated_z(z_dense: torch.Tensor, z_sample: torch.Tensor, num_indexed: torch.Tensor,
-                num_samples: torch.Tensor, share: float) -> torch.Tensor:
+                num_samples: torch.Tensor, share: float | torch.Tensor) -> torch.Tensor:
     """The a-posteriori rule's estimate of the softmax denominator, ``[B, H_q]`` fp64: the dense
-    part plus the sample's exact mass scaled to the indexed tokens (n/M), times ``share``, and
-    never below the exact lower bound z_dense + z_sample (so the first level is never below the
-    histogram rule's). z_dense, z_sample ``[B, H_q]`` fp64; counts ``[B]`` int."""
+    part plus the sample's exact mass scaled to the indexed tokens (n/M), times ``share`` (one
+    float, or one per request ``[B]`` fp64), and never below the exact lower bound z_dense +
+    z_sample (so the first level is never below the histogram rule's). z_dense, z_sample
+    ``[B, H_q]`` fp64; counts ``[B]`` int."""
+    if isinstance(share, torch.Tensor):
+        share = share.to(z_dense.device, torch.float64)[:, None]
     n = num_indexed.to(torch.float64)[:, None]
     m = num_samples.to(torch.float64).clamp(min=1)[:, None]
     z_lb = z_dense + z_sample

@@ -44,7 +44,7 @@ DTYPE_DEPENDENT = ("min_sparse_tokens", "dense_fallback_fraction")
 SHAPE_KEYS = ("head_dim", "num_q_heads", "num_kv_heads", "kv_dtype")
 # Knobs only a certified step reads (how it finds T): a study under another policy cannot tune them,
 # so its policy section never sets them (a server's certified requests keep the main values').
-CERTIFIED_ONLY = ("certified_passes", "certified_rule", "estimate_share", "one_scan")
+CERTIFIED_ONLY = ("certified_passes", "certified_rule", "estimate_share", "estimate_share_max", "one_scan")
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
 

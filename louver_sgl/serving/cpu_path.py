@@ -9,6 +9,10 @@ batch's request ids, so the statistics file keeps per-request accounts.
 Requests that chose their own accuracy (``request_policy``) share the forward with the others:
 the batch is split into one group per distinct policy, each planned and run by a ``LouverDecode``
 of its own config over the group's rows, and the outputs land in the batch's rows.
+
+Under a config with ``estimate_share_max`` (``LouverConfig.adaptive_share``) each request's
+a-posteriori estimate share is adapted per layer from its own steps' checks
+(``decode.share_control``), keyed by request id and layer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ..config import LouverConfig
 from ..decode import HeadShapes, LouverDecode
+from ..decode.share_control import ShareControl
 from ..profiles.launch import cpu_threads
 from ..settings import ServingOptions
 from .decode_path import DecodeForward, DecodePath, ServingState
@@ -54,6 +59,7 @@ class CpuDecodePath(DecodePath):
         self.serving, self.state, self.shapes = serving, state, shapes
         self.decode = self._make_decode(config)
         self.policy_decodes: OrderedDict[LouverConfig, LouverDecode] = OrderedDict()
+        self.share_controls: dict[LouverConfig, ShareControl] = {}  # per adaptive config
         self.forward: DecodeForward | None = None
         self.groups: tuple[DecodeGroup, ...] = ()
 
@@ -127,8 +133,12 @@ class CpuDecodePath(DecodePath):
         with cpu_threads(self.serving.num_threads):
             for group in self.groups:
                 rows = group.rows
+                control, keys = self._shares_of(group, layer_id)
                 result = group.decode.run(q3 if rows is None else q3[rows], *caches, layer.scaling,
-                                          out=out3 if rows is None else None, stats=True)
+                                          out=out3 if rows is None else None, stats=True,
+                                          estimate_share=None if control is None else control.shares(keys))
+                if control is not None:
+                    control.update(keys, result.stats.lowered)
                 if rows is not None:
                     out3[rows] = result.out
                 state.telemetry.record_step(result.stats, group.rids)
@@ -138,6 +148,17 @@ class CpuDecodePath(DecodePath):
         if layer_id == state.first_layer:
             self.report()
         return out
+
+    def _shares_of(self, group: DecodeGroup, layer_id: int) -> tuple[ShareControl | None, list]:
+        """The share control of the group's config and its (request id, layer) keys; (None, [])
+        where the config keeps one share or the batch has no request ids."""
+        config = group.decode.config
+        if not config.adaptive_share or not group.rids:
+            return None, []
+        control = self.share_controls.get(config)
+        if control is None:
+            control = self.share_controls[config] = ShareControl(config)
+        return control, [(rid, layer_id) for rid in group.rids]
 
     def report(self) -> None:
         telemetry = self.state.telemetry

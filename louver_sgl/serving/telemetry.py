@@ -32,7 +32,7 @@ logger = logging.getLogger("louver_sgl.serving")
 # when the log interval is long or off).
 PENDING_LIMIT = 512
 # the StepStats fields Counts.add reads
-SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback")
+SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback", "lowered")
 REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
 # SGLang's /health runs a one-token generation under this request id prefix
 # (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX): a router checking every few seconds would
@@ -52,6 +52,7 @@ class Counts:
     indexed_pages: float = 0.0
     pages_skipped: float = 0.0
     mass_bound_max: float = 0.0
+    lowered_steps: int = 0  # sparse steps where a head's first level failed its check (attended again)
 
     def add(self, stats) -> None:
         """One layer's ``StepStats`` (a few host reads: called when a window is read)."""
@@ -69,6 +70,7 @@ class Counts:
         self.indexed_pages += float(stats.num_pages.cpu()[sparse].sum()) * heads
         self.pages_skipped += float(stats.pages_skipped.cpu()[sparse].sum())
         self.mass_bound_max = max(self.mass_bound_max, float(stats.mass_bound.cpu()[sparse].max()))
+        self.lowered_steps += int((stats.lowered.cpu().any(1) & sparse).sum())
 
     def merge(self, other: "Counts") -> None:
         for f in dataclasses.fields(self):
@@ -85,6 +87,7 @@ class Counts:
             "attended_fraction": self.attended_keys / self.indexed_keys if sparse and self.indexed_keys else None,
             "pages_skipped_fraction": self.pages_skipped / self.indexed_pages if sparse and self.indexed_pages else None,
             "mass_bound_max": self.mass_bound_max if sparse else None,
+            "lowered_step_fraction": self.lowered_steps / self.sparse_steps if sparse else None,
         }
 
 
@@ -118,9 +121,10 @@ class DeviceCounts:
         # mass bounds are >= 0, so a step with no sparse request adds a 0 that changes no max
         bound = (stats.mass_bound.double() * sparse[:, None]).amax()
         self.values[7:8] = torch.maximum(self.values[7:8], bound.reshape(1))
+        self.values[8:9] += (stats.lowered.any(1).double() * sparse).sum().reshape(1)
 
     def add_pages_built(self, count: torch.Tensor) -> None:
-        self.values[8:9] += count.double().reshape(1)
+        self.values[-1:] += count.double().reshape(1)
 
     def drain(self) -> tuple[Counts, int]:
         """(the counts, pages built) since the last drain, and zeroed (one host read)."""
@@ -299,7 +303,7 @@ class Telemetry:
             if self._metrics is None:
                 self._metrics = _make_metrics()
             m = self._metrics
-            for name in ("sparse_steps", "dense_short_steps", "dense_fallback_steps"):
+            for name in ("sparse_steps", "dense_short_steps", "dense_fallback_steps", "lowered_steps"):
                 m[name].inc(window[name])
             for name in ("attended_fraction", "pages_skipped_fraction", "mass_bound_max"):
                 if window[name] is not None:  # no sparse step: the gauges keep their last value
@@ -319,7 +323,8 @@ def log_line(window: Counts, built: int, reused: int, rebuilt: int) -> str:
     pages = f"index pages built {built}, reused {reused}, rebuilt on read {rebuilt}"
     if s["attended_fraction"] is None:
         return f"louver: {paths}; no sparse step in this window; {pages}"
-    return (f"louver: {paths}; keys attended {s['attended_fraction']:.3f} of indexed, pages skipped "
+    lowered = f", {window.lowered_steps} lowered by their check" if window.lowered_steps else ""
+    return (f"louver: {paths}{lowered}; keys attended {s['attended_fraction']:.3f} of indexed, pages skipped "
             f"{s['pages_skipped_fraction']:.3f}, certified dropped-mass bound <= {s['mass_bound_max']:.2e}; {pages}")
 
 
@@ -335,6 +340,9 @@ def _make_metrics() -> dict:
                                      "Decode (request, layer) steps attended densely: no indexed page (short request)."),
         "dense_fallback_steps": Counter("sglang:louver_dense_fallback_request_steps",
                                         "Decode (request, layer) steps over the dense-fallback fraction."),
+        "lowered_steps": Counter("sglang:louver_lowered_request_steps",
+                                 "Sparse decode (request, layer) steps where a certified check failed and the "
+                                 "request attended again at a lowered level."),
         "attended_fraction": gauge("attended_fraction", "Indexed keys attended per query head in sparse steps."),
         "pages_skipped_fraction": gauge("pages_skipped_fraction", "Indexed pages skipped by their page bound."),
         "mass_bound_max": gauge("mass_bound_max", "Largest certified upper bound on dropped softmax mass."),

@@ -1,0 +1,129 @@
+"""The a-posteriori estimate share over consecutive decode steps: fixed shares against the share control.
+
+A trace's 16 captured queries per layer are 16 consecutive decode steps of one request (positions
+L − 16 … L − 1). Each step runs at batch 1 over its own context, in order, under the certified
+one-pass rule a posteriori (8-bit grid, page 128, fp16 KV) with either a fixed estimate share or
+``decode.share_control.ShareControl`` (start ``estimate_share``, up to ``estimate_share_max``),
+whose state carries from step to step as in the server. Each step is timed in alternation with
+the fastest dense path over the same context (bf16 SDPA, GQA-grouped, K/V pre-gathered) and
+checked: recall against fp64 (must be 1.0) and the reported bound (≤ ε). A row sums the 16
+steps: louver ms, dense ms, their ratio, the steps with a lowered head (the request attended
+again), the mean GQA-union fraction and the shares the steps ran at.
+
+    python -m benchmarks.cpu.share_sequence --traces data/traces/bible_32768.pt data/traces/random_8192.pt \\
+        --layers 9 15 21 --out benchmarks/results/share_sequence_avx2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from louver_eval.data.paged import PagedBatch, load_trace, paged_batch
+from louver_kernels.cpu_ops import cpu_model_name
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode import LouverDecode
+from louver_sgl.decode.plan import plan_decode
+from louver_sgl.decode.share_control import ShareControl
+
+from .decode_cpu import recall_of_step, timeit_alternating
+
+INDEX = {"family": "grid", "grid_bits": 8, "page_size": 128}
+# name -> (estimate_share, estimate_share_max: 0 fixed; a fixed share above 8, the config's cap, runs
+# as a per-request share through LouverDecode.run)
+CONTROLS = {
+    "s3": (3.0, 0.0), "s4": (4.0, 0.0), "s8": (8.0, 0.0), "s11": (8.0 * 2 ** 0.5, 0.0), "s16": (16.0, 0.0),
+    "s4-max16": (4.0, 16.0), "s8-max16": (8.0, 16.0), "s8-max32": (8.0, 32.0),
+}
+
+
+def one_request(pb: PagedBatch, b: int) -> PagedBatch:
+    """Request ``b`` of ``pb`` alone (its own pages of the shared pool)."""
+    return PagedBatch(pb.q[b:b + 1], pb.k, pb.v, pb.page_table[b:b + 1], pb.seq_lens[b:b + 1], pb.sigma)
+
+
+def dense_step(pb: PagedBatch):
+    """The fastest dense path of these benchmarks at 32K (docs/benchmarks.md): bf16 SDPA over the
+    request's K/V gathered to ``[H_kv, L, D]`` (untimed), the G query heads of a KV head together."""
+    pos = torch.arange(int(pb.seq_lens[0]))
+    slots = pb.page_table[0, pos // INDEX["page_size"]] * INDEX["page_size"] + pos % INDEX["page_size"]
+    k = pb.k[slots].to(torch.bfloat16).permute(1, 0, 2).contiguous()
+    v = pb.v[slots].to(torch.bfloat16).permute(1, 0, 2).contiguous()
+    q = pb.q[0].to(torch.bfloat16).view(k.shape[0], -1, k.shape[2])
+    return lambda: F.scaled_dot_product_attention(q, k, v, scale=pb.sigma)
+
+
+def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name: str, rounds: int) -> dict:
+    """The 16 steps of one control in order; see the module docstring."""
+    start, top = CONTROLS[control_name]
+    cfg = LouverConfig(**INDEX, policy="certified", eps=eps, certified_passes=1, certified_rule="a_posteriori",
+                       estimate_share=min(start, 8.0), estimate_share_max=top)
+    control = ShareControl(cfg) if cfg.adaptive_share else None
+    row = {"control": control_name, "eps": eps, "louver_ms": 0.0, "dense_ms": 0.0, "lowered_steps": 0,
+           "shares": [], "union": [], "recall": 1.0, "bound_max": 0.0}
+    for b in range(len(pb.seq_lens)):
+        req = one_request(pb, b)
+        share = control.shares([0]) if control is not None else torch.tensor([start], dtype=torch.float64)
+        decode = LouverDecode(cfg, "cpu").plan(req.page_table, req.seq_lens)
+        step = lambda: decode.run(req.q, req.k, req.v, store, req.sigma, stats=True,  # noqa: E731
+                                  estimate_share=share if (control is not None or start > 8.0) else None)
+        result = step()  # the step whose outcome moves the control (the timed repeats run the same share)
+        ms = timeit_alternating({"dense": dense_step(req), "louver": step}, rounds)
+        stats = result.stats
+        if control is not None:
+            control.update([0], stats.lowered)
+        row["louver_ms"] += ms["louver"]
+        row["dense_ms"] += ms["dense"]
+        row["lowered_steps"] += int(stats.lowered.any())
+        row["shares"].append(float(share[0]))
+        row["union"].append(float(stats.union_candidates[0]) / max(1, int(stats.num_indexed[0]) * pb.k.shape[1]))
+        row["recall"] = min(row["recall"], recall_of_step(req, store, cfg, stats))
+        row["bound_max"] = max(row["bound_max"], float(stats.mass_bound.max()))
+    row["speedup"] = row["dense_ms"] / row["louver_ms"]
+    row["union_mean"] = sum(row["union"]) / len(row["union"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", nargs="+", default=["data/traces/bible_32768.pt", "data/traces/random_8192.pt"])
+    parser.add_argument("--layers", type=int, nargs="+", default=[9, 15, 21])
+    parser.add_argument("--eps", type=float, nargs="+", default=[1e-2])
+    parser.add_argument("--controls", nargs="+", default=list(CONTROLS), choices=list(CONTROLS))
+    parser.add_argument("--rounds", type=int, default=5, help="timed (dense, louver) pairs per step")
+    parser.add_argument("--out", default="benchmarks/results/share_sequence.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {"date": str(date.today()), "command": "python -m benchmarks.cpu.share_sequence " + " ".join(
+        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+        "machine": {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version()}, "rows": []}
+    for trace_path in args.traces:
+        trace = load_trace(trace_path)
+        for layer in tqdm(args.layers, desc=Path(trace_path).stem):
+            pb = paged_batch(trace, layer, len(trace["query_positions"]), INDEX["page_size"], huge_pages=True)
+            store = PageIndexStore(LouverConfig(**INDEX), len(pb.k) // INDEX["page_size"], pb.k.shape[1],
+                                   pb.k.shape[2], pb.k.dtype)
+            store.build_pages(pb.k, plan_decode(pb.page_table, pb.seq_lens, LouverConfig(**INDEX)).page_ids)
+            for eps in args.eps:
+                for name in args.controls:
+                    row = run_sequence(pb, store, eps, name, args.rounds)
+                    row.update(trace=trace_path, layer=layer)
+                    results["rows"].append(row)
+                    print(f"{Path(trace_path).stem} L{layer} eps={eps:g} {name}: {row['speedup']:.2f}x, "
+                          f"lowered {row['lowered_steps']}/16, union {row['union_mean']:.3f}, "
+                          f"recall {row['recall']}, bound {row['bound_max'] / eps:.3f}·eps")
+                    out = Path(args.out)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

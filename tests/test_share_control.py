@@ -1,0 +1,86 @@
+"""The a-posteriori estimate share per request and layer (``decode.share_control``) and the config
+option that turns it on (``estimate_share_max``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from louver_sgl import LouverConfig
+from louver_sgl.decode.share_control import RAISE_AFTER, SHARE_FLOOR, ShareControl
+
+ADAPTIVE = LouverConfig(policy="certified", eps=1e-2, certified_passes=1, certified_rule="a_posteriori",
+                        estimate_share=8.0, estimate_share_max=16.0)
+
+
+def _step(control, keys, lowered_keys=()):
+    """One step of ``keys``: those in ``lowered_keys`` had a lowered head (one of three)."""
+    lowered = torch.zeros(len(keys), 3, dtype=torch.bool)
+    for i, key in enumerate(keys):
+        lowered[i, 1] = key in lowered_keys
+    control.update(keys, lowered)
+
+
+def test_a_share_starts_at_the_config_halves_on_a_lowered_head_and_rises_after_clean_steps():
+    control = ShareControl(ADAPTIVE)
+    assert control.shares(["a", "b"]).tolist() == [8.0, 8.0] and control.shares([]).shape == (0,)
+    _step(control, ["a", "b"], lowered_keys={"a"})
+    assert control.shares(["a", "b"]).tolist() == [4.0, 8.0]  # each key its own
+    for _ in range(RAISE_AFTER - 1):
+        _step(control, ["a"])
+    assert control.share("a") == 4.0
+    _step(control, ["a"])
+    assert control.share("a") == pytest.approx(4.0 * math.sqrt(2))  # the 8th clean step in a row
+    for _ in range(4 * RAISE_AFTER):
+        _step(control, ["a"])
+    assert control.share("a") == 16.0  # capped at estimate_share_max
+    for _ in range(RAISE_AFTER - 1):
+        _step(control, ["c"])
+    _step(control, ["c"], lowered_keys={"c"})  # a failure resets the count of clean steps
+    for _ in range(RAISE_AFTER - 1):
+        _step(control, ["c"])
+    assert control.share("c") == 4.0
+    for _ in range(10):
+        _step(control, ["c"], lowered_keys={"c"})
+    assert control.share("c") == SHARE_FLOOR
+
+
+def test_the_floor_is_the_start_when_the_start_is_lower():
+    control = ShareControl(ADAPTIVE.with_(estimate_share=0.5, estimate_share_max=2.0))
+    for _ in range(3):
+        _step(control, [0], lowered_keys={0})
+    assert control.share(0) == 0.5
+
+
+def test_the_least_recently_used_keys_are_forgotten_past_the_capacity():
+    control = ShareControl(ADAPTIVE, capacity=2)
+    _step(control, ["a", "b"], lowered_keys={"a", "b"})
+    _step(control, ["a"], lowered_keys={"a"})  # a is used last: b goes first
+    _step(control, ["c"], lowered_keys={"c"})
+    assert control.tracked == 2 and control.share("b") == 8.0 and control.share("a") == 2.0
+    assert control.share("c") == 4.0
+
+
+def test_update_reads_lowered_per_request_or_per_head():
+    control = ShareControl(ADAPTIVE)
+    control.update(["a", "b"], torch.tensor([True, False]))
+    assert control.shares(["a", "b"]).tolist() == [4.0, 8.0]
+
+
+@pytest.mark.parametrize("config", [ADAPTIVE.with_(estimate_share_max=0.0), ADAPTIVE.with_(estimate_share_max=8.0),
+                                    ADAPTIVE.with_(certified_rule="histogram"),
+                                    ADAPTIVE.with_(policy="budget")])
+def test_a_config_that_keeps_one_share_has_no_control(config):
+    assert not config.adaptive_share
+    with pytest.raises(ValueError, match="estimate_share_max above estimate_share"):
+        ShareControl(config)
+
+
+@pytest.mark.parametrize("bad", [4.0, 33.0, float("nan"), -1.0])
+def test_estimate_share_max_is_zero_or_between_the_share_and_32(bad):
+    with pytest.raises(ValueError, match="estimate_share_max"):
+        ADAPTIVE.with_(estimate_share_max=bad)
+    assert ADAPTIVE.with_(estimate_share_max=32.0).adaptive_share
+    assert LouverConfig().estimate_share_max == 0.0 and not LouverConfig().adaptive_share
