@@ -63,8 +63,9 @@ class LouverConfig:
       estimate_share_max: 0 (default) keeps the share at ``estimate_share``. Above it (at most
         32; a-posteriori rule), callers that know their requests (the SGLang backend; the decode
         benchmark's sequence mode) adapt the share per request and layer between 1 and this:
-        halved after a step with a lowered head, raised by √2 after 8 steps without one
-        (``decode.share_control``). Certification does not depend on the share.
+        lowered by √2 after a step with a lowered head, raised by √2 after 16 steps without
+        one once a step's bound leaves room (``decode.share_control``). Certification does
+        not depend on the share.
       sample_size: exact-scored key sample per request (budget quantile, certified lower bound
         on the softmax denominator).
 

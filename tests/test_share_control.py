@@ -9,31 +9,34 @@ import pytest
 import torch
 
 from louver_sgl import LouverConfig
-from louver_sgl.decode.share_control import RAISE_AFTER, SHARE_FLOOR, ShareControl
+from louver_sgl.decode.share_control import RAISE_AFTER, RAISE_BELOW, SHARE_FLOOR, STEP, ShareControl
 
 ADAPTIVE = LouverConfig(policy="certified", eps=1e-2, certified_passes=1, certified_rule="a_posteriori",
                         estimate_share=8.0, estimate_share_max=16.0)
 
 
-def _step(control, keys, lowered_keys=()):
-    """One step of ``keys``: those in ``lowered_keys`` had a lowered head (one of three)."""
+def _step(control, keys, lowered_keys=(), bound=0.1):
+    """One step of ``keys``: those in ``lowered_keys`` had a lowered head (one of three); every
+    other head's bound is ``bound``·eps."""
     lowered = torch.zeros(len(keys), 3, dtype=torch.bool)
     for i, key in enumerate(keys):
         lowered[i, 1] = key in lowered_keys
-    control.update(keys, lowered)
+    control.update(keys, lowered, torch.where(lowered, 0.99, bound) * ADAPTIVE.eps)
 
 
-def test_a_share_starts_at_the_config_halves_on_a_lowered_head_and_rises_after_clean_steps():
+def test_a_share_starts_at_the_config_falls_on_a_lowered_head_and_rises_after_clean_steps():
     control = ShareControl(ADAPTIVE)
     assert control.shares(["a", "b"]).tolist() == [8.0, 8.0] and control.shares([]).shape == (0,)
     _step(control, ["a", "b"], lowered_keys={"a"})
-    assert control.shares(["a", "b"]).tolist() == [4.0, 8.0]  # each key its own
+    assert control.shares(["a", "b"]).tolist() == [pytest.approx(8.0 / STEP), 8.0]  # each key its own
+    _step(control, ["a"], lowered_keys={"a"})
+    assert control.share("a") == pytest.approx(4.0)
     for _ in range(RAISE_AFTER - 1):
         _step(control, ["a"])
-    assert control.share("a") == 4.0
+    assert control.share("a") == pytest.approx(4.0)
     _step(control, ["a"])
-    assert control.share("a") == pytest.approx(4.0 * math.sqrt(2))  # the 8th clean step in a row
-    for _ in range(4 * RAISE_AFTER):
+    assert control.share("a") == pytest.approx(4.0 * STEP)  # the RAISE_AFTER-th clean step in a row
+    for _ in range(10 * RAISE_AFTER):
         _step(control, ["a"])
     assert control.share("a") == 16.0  # capped at estimate_share_max
     for _ in range(RAISE_AFTER - 1):
@@ -41,10 +44,21 @@ def test_a_share_starts_at_the_config_halves_on_a_lowered_head_and_rises_after_c
     _step(control, ["c"], lowered_keys={"c"})  # a failure resets the count of clean steps
     for _ in range(RAISE_AFTER - 1):
         _step(control, ["c"])
-    assert control.share("c") == 4.0
-    for _ in range(10):
+    assert control.share("c") == pytest.approx(8.0 / STEP)
+    for _ in range(20):
         _step(control, ["c"], lowered_keys={"c"})
     assert control.share("c") == SHARE_FLOOR
+
+
+def test_a_share_rises_only_on_a_step_whose_bound_leaves_room():
+    """Clean steps near the budget (bound ≥ RAISE_BELOW·eps, or NaN) keep the share; the first
+    clean step with room after RAISE_AFTER raises it."""
+    control = ShareControl(ADAPTIVE)
+    for bound in [0.9] * (2 * RAISE_AFTER) + [float("nan"), RAISE_BELOW]:
+        _step(control, ["a"], bound=bound)
+    assert control.share("a") == 8.0
+    _step(control, ["a"], bound=RAISE_BELOW * 0.99)
+    assert control.share("a") == pytest.approx(8.0 * STEP)
 
 
 def test_the_floor_is_the_start_when_the_start_is_lower():
@@ -59,14 +73,15 @@ def test_the_least_recently_used_keys_are_forgotten_past_the_capacity():
     _step(control, ["a", "b"], lowered_keys={"a", "b"})
     _step(control, ["a"], lowered_keys={"a"})  # a is used last: b goes first
     _step(control, ["c"], lowered_keys={"c"})
-    assert control.tracked == 2 and control.share("b") == 8.0 and control.share("a") == 2.0
-    assert control.share("c") == 4.0
+    assert control.tracked == 2 and control.share("b") == 8.0 and control.share("a") == pytest.approx(4.0)
+    assert control.share("c") == pytest.approx(8.0 / STEP)
 
 
 def test_update_reads_lowered_per_request_or_per_head():
     control = ShareControl(ADAPTIVE)
-    control.update(["a", "b"], torch.tensor([True, False]))
-    assert control.shares(["a", "b"]).tolist() == [4.0, 8.0]
+    control.update(["a", "b"], torch.tensor([True, False]), torch.tensor([0.01, 0.001]))
+    assert control.shares(["a", "b"]).tolist() == [pytest.approx(8.0 / STEP), 8.0]
+    control.update([], torch.zeros(0, 3, dtype=torch.bool), torch.zeros(0, 3))
 
 
 @pytest.mark.parametrize("config", [ADAPTIVE.with_(estimate_share_max=0.0), ADAPTIVE.with_(estimate_share_max=8.0),

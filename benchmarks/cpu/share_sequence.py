@@ -1,12 +1,13 @@
 """The a-posteriori estimate share over consecutive decode steps: fixed shares against the share control.
 
-A trace's 16 captured queries per layer are 16 consecutive decode steps of one request (positions
-L − 16 … L − 1). Each step runs at batch 1 over its own context, in order, under the certified
-one-pass rule a posteriori (8-bit grid, page 128, fp16 KV) with either a fixed estimate share or
-``decode.share_control.ShareControl`` (start ``estimate_share``, up to ``estimate_share_max``),
-whose state carries from step to step as in the server. Each step is timed in alternation with
+A trace's N captured queries per layer are N consecutive decode steps of one request (positions
+L − N … L − 1; N = 16 by default, ``capture --num-queries`` for more). Each step runs at batch 1
+over its own context, in order, under the certified one-pass rule a posteriori (8-bit grid, page
+128, fp16 KV) with either a fixed estimate share or ``decode.share_control.ShareControl`` (start
+``estimate_share``, up to ``estimate_share_max``), whose state carries from step to step as in
+the server. Each step is timed in alternation with
 the fastest dense path over the same context (bf16 SDPA, GQA-grouped, K/V pre-gathered) and
-checked: recall against fp64 (must be 1.0) and the reported bound (≤ ε). A row sums the 16
+checked: recall against fp64 (must be 1.0) and the reported bound (≤ ε). A row sums the N
 steps: louver ms, dense ms, their ratio, the steps with a lowered head (the request attended
 again), the mean GQA-union fraction and the shares the steps ran at.
 
@@ -39,8 +40,9 @@ INDEX = {"family": "grid", "grid_bits": 8, "page_size": 128}
 # name -> (estimate_share, estimate_share_max: 0 fixed; a fixed share above 8, the config's cap, runs
 # as a per-request share through LouverDecode.run)
 CONTROLS = {
-    "s3": (3.0, 0.0), "s4": (4.0, 0.0), "s8": (8.0, 0.0), "s11": (8.0 * 2 ** 0.5, 0.0), "s16": (16.0, 0.0),
-    "s4-max16": (4.0, 16.0), "s8-max16": (8.0, 16.0), "s8-max32": (8.0, 32.0),
+    "s3": (3.0, 0.0), "s4": (4.0, 0.0), "s5.7": (4.0 * 2 ** 0.5, 0.0), "s8": (8.0, 0.0), "s11": (8.0 * 2 ** 0.5, 0.0),
+    "s16": (16.0, 0.0),
+    "s3-max16": (3.0, 16.0), "s4-max16": (4.0, 16.0), "s8-max16": (8.0, 16.0), "s8-max32": (8.0, 32.0),
 }
 
 
@@ -61,7 +63,7 @@ def dense_step(pb: PagedBatch):
 
 
 def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name: str, rounds: int) -> dict:
-    """The 16 steps of one control in order; see the module docstring."""
+    """The N steps of one control in order; see the module docstring."""
     start, top = CONTROLS[control_name]
     cfg = LouverConfig(**INDEX, policy="certified", eps=eps, certified_passes=1, certified_rule="a_posteriori",
                        estimate_share=min(start, 8.0), estimate_share_max=top)
@@ -75,10 +77,12 @@ def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name
         step = lambda: decode.run(req.q, req.k, req.v, store, req.sigma, stats=True,  # noqa: E731
                                   estimate_share=share if (control is not None or start > 8.0) else None)
         result = step()  # the step whose outcome moves the control (the timed repeats run the same share)
-        ms = timeit_alternating({"dense": dense_step(req), "louver": step}, rounds)
+        dense = dense_step(req)
+        dense()
+        ms = timeit_alternating({"dense": dense, "louver": step}, rounds)
         stats = result.stats
         if control is not None:
-            control.update([0], stats.lowered)
+            control.update([0], stats.lowered, stats.mass_bound)
         row["louver_ms"] += ms["louver"]
         row["dense_ms"] += ms["dense"]
         row["lowered_steps"] += int(stats.lowered.any())
@@ -91,6 +95,26 @@ def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name
     return row
 
 
+# the shares of the sweep: the control's ladder from 8 (×/÷ √2) and the default 3
+LADDER = (1.0, 2 ** 0.5, 2.0, 3.0, 2 ** 1.5, 4.0, 2 ** 2.5, 8.0, 2 ** 3.5, 16.0, 2 ** 4.5, 32.0)
+
+
+def sweep(pb: PagedBatch, store: PageIndexStore, eps: float) -> dict:
+    """Untimed: every step at every share of ``LADDER`` (the N requests as one batch, each at the
+    same share): per (share, step) whether a head was lowered, the largest reported bound over
+    eps, and the GQA-union fraction. The data a share control is designed on."""
+    cfg = LouverConfig(**INDEX, policy="certified", eps=eps, certified_passes=1, certified_rule="a_posteriori")
+    decode = LouverDecode(cfg, "cpu").plan(pb.page_table, pb.seq_lens)
+    out = {"eps": eps, "shares": list(LADDER), "lowered": [], "bound_over_eps": [], "union": []}
+    for share in LADDER:
+        stats = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True,
+                           estimate_share=torch.full((len(pb.seq_lens),), share, dtype=torch.float64)).stats
+        out["lowered"].append(stats.lowered.any(1).tolist())
+        out["bound_over_eps"].append((stats.mass_bound.max(1).values / eps).tolist())
+        out["union"].append((stats.union_candidates / (stats.num_indexed * pb.k.shape[1]).clamp(min=1)).tolist())
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="+", default=["data/traces/bible_32768.pt", "data/traces/random_8192.pt"])
@@ -98,11 +122,14 @@ def main() -> None:
     parser.add_argument("--eps", type=float, nargs="+", default=[1e-2])
     parser.add_argument("--controls", nargs="+", default=list(CONTROLS), choices=list(CONTROLS))
     parser.add_argument("--rounds", type=int, default=5, help="timed (dense, louver) pairs per step")
+    parser.add_argument("--sweep", action="store_true",
+                        help="untimed: every step at every share of the ladder (rows hold per-step outcomes)")
     parser.add_argument("--out", default="benchmarks/results/share_sequence.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    results = {"date": str(date.today()), "command": "python -m benchmarks.cpu.share_sequence " + " ".join(
-        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+    options = [f"--{k}" if v is True else f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+               for k, v in vars(args).items() if v is not False]
+    results = {"date": str(date.today()), "command": "python -m benchmarks.cpu.share_sequence " + " ".join(options),
         "machine": {"cpu": cpu_model_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version()}, "rows": []}
     for trace_path in args.traces:
@@ -112,13 +139,19 @@ def main() -> None:
             store = PageIndexStore(LouverConfig(**INDEX), len(pb.k) // INDEX["page_size"], pb.k.shape[1],
                                    pb.k.shape[2], pb.k.dtype)
             store.build_pages(pb.k, plan_decode(pb.page_table, pb.seq_lens, LouverConfig(**INDEX)).page_ids)
+            if not args.sweep:  # warm-up: the first sequence of a process ran up to 2x slower
+                run_sequence(pb, store, args.eps[0], args.controls[0], 1)
             for eps in args.eps:
+                if args.sweep:
+                    results["rows"].append({"trace": trace_path, "layer": layer, **sweep(pb, store, eps)})
+                    Path(args.out).write_text(json.dumps(results, indent=1))
+                    continue
                 for name in args.controls:
                     row = run_sequence(pb, store, eps, name, args.rounds)
                     row.update(trace=trace_path, layer=layer)
                     results["rows"].append(row)
                     print(f"{Path(trace_path).stem} L{layer} eps={eps:g} {name}: {row['speedup']:.2f}x, "
-                          f"lowered {row['lowered_steps']}/16, union {row['union_mean']:.3f}, "
+                          f"lowered {row['lowered_steps']}/{len(row['shares'])}, union {row['union_mean']:.3f}, "
                           f"recall {row['recall']}, bound {row['bound_max'] / eps:.3f}·eps")
                     out = Path(args.out)
                     out.parent.mkdir(parents=True, exist_ok=True)

@@ -346,8 +346,9 @@ class DecodeImplementation:
 
 def check_shares(shares: torch.Tensor, batch: int, config: LouverConfig) -> None:
     """An estimate share per request (``LouverDecode.run``'s ``estimate_share``): fp64 ``[B]`` on
-    the CPU, every value positive and finite, for a policy whose certified rule is a posteriori
-    (the only one that reads it)."""
+    the CPU, for a policy whose certified rule is a posteriori (the only one that reads it). Reads
+    no tensor value (a step's host time counts at batch 1): the implementations check the values
+    (``check_share_values``; the compiled step in its kernel)."""
     if not config.threshold.a_posteriori:
         raise ValueError("estimate_share per request is for certified_rule='a_posteriori'; this policy is "
                          f"{config.policy!r} ({config.certified_rule!r} rule)")
@@ -355,6 +356,10 @@ def check_shares(shares: torch.Tensor, batch: int, config: LouverConfig) -> None
             or tuple(shares.shape) != (batch,):
         raise ValueError(f"estimate_share must be a float64 CPU tensor [B] = [{batch}], got "
                          f"{getattr(shares, 'dtype', type(shares).__name__)} {tuple(getattr(shares, 'shape', ()))}")
+
+
+def check_share_values(shares: torch.Tensor) -> None:
+    """Every estimate share positive and finite."""
     if not bool(((shares > 0) & torch.isfinite(shares)).all()):
         raise ValueError(f"estimate_share must be positive and finite, got {shares.tolist()}")
 

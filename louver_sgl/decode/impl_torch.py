@@ -20,7 +20,7 @@ from ..index.numerics import norm_up, score_slack
 from ..index.store import PageIndexStore
 from . import threshold as th
 from .contract import (
-    DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs,
+    DecodeImplementation, DecodePlan, DecodeResult, ExactPart, StepStats, check_inputs, check_share_values,
 )
 from .filter import (FilterResult, a_posteriori_filter, a_posteriori_second, one_pass_a_posteriori_check,
                      provisional_filter, run_filter)
@@ -49,6 +49,8 @@ class TorchDecode(DecodeImplementation):
         check_inputs(q, k_cache, v_cache, store, self.config)
         if plan.batch_size != q.shape[0]:
             raise ValueError(f"the plan is for {plan.batch_size} requests, q has {q.shape[0]}")
+        if estimate_share is not None:
+            check_share_values(estimate_share)
         step = run_decode(q, k_cache, v_cache, plan, store, sigma, self.config, out, keep_parts=attended,
                           share=estimate_share)
         masks = attended_masks(*step[2], plan, q.shape[1], k_cache.shape[0]) if attended else None

@@ -138,7 +138,7 @@ class CpuDecodePath(DecodePath):
                                           out=out3 if rows is None else None, stats=True,
                                           estimate_share=None if control is None else control.shares(keys))
                 if control is not None:
-                    control.update(keys, result.stats.lowered)
+                    control.update(keys, result.stats.lowered, result.stats.mass_bound)
                 if rows is not None:
                     out3[rows] = result.out
                 state.telemetry.record_step(result.stats, group.rids)

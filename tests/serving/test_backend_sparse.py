@@ -137,3 +137,46 @@ def test_requests_with_their_own_policy_share_the_forward_in_groups(monkeypatch)
     assert not torch.equal(alone[0], dense_want[0]), "the server's budget policy should differ from dense here"
     certified = [stats for policy, _, stats in calls if policy.certified]
     assert certified and all(float(s.mass_bound.max()) < 1e-4 for s in certified)
+
+
+def test_the_estimate_share_is_kept_per_request_and_layer(monkeypatch):
+    """Under ``estimate_share_max`` the CPU path runs each request at its own share
+    (``decode.share_control``, keyed by request id and layer): the first forward at the config's
+    share, the next one lowered by √2 for the requests with a lowered head and kept for the others;
+    every step certified."""
+    import dataclasses
+
+    from louver_sgl.decode.share_control import STEP
+    from louver_sgl.serving import cpu_path
+
+    env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-2", "LOUVER_CERTIFIED_PASSES": "1",
+           "LOUVER_CERTIFIED_RULE": "a_posteriori", "LOUVER_ESTIMATE_SHARE": "8", "LOUVER_ESTIMATE_SHARE_MAX": "16",
+           "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0", "LOUVER_PROFILE": "none"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    rids = ["r0", "r1", "r2"]
+    groups = cpu_path.CpuDecodePath._groups
+    monkeypatch.setattr(cpu_path.CpuDecodePath, "_groups",  # the kit's batch carries no request ids
+                        lambda self, fb: tuple(dataclasses.replace(g, rids=rids) for g in groups(self, fb)))
+    calls, real = [], api.LouverDecode.run
+
+    def recording(self, q, *args, **kwargs):
+        result = real(self, q, *args, **kwargs)
+        calls.append((kwargs["estimate_share"].clone(), result.stats))
+        return result
+
+    monkeypatch.setattr(api.LouverDecode, "run", recording)
+    case = kit.DenseAttentionCase(name="share_control", backend="louver", forward_mode=ForwardMode.DECODE,
+                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(300, 250, 280))
+    with torch.no_grad():
+        fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
+                                                    max_context_len=512)
+        for _ in range(2):  # the same decode forward twice: the second reads the first's outcomes
+            kit.run_dense_fixture_eager(fixture)
+    (first, stats), (second, _) = calls
+    assert first.tolist() == [8.0] * 3
+    lowered = stats.lowered.any(1)
+    assert torch.allclose(second, torch.where(lowered, 8.0 / STEP, 8.0).double()), (second, lowered)
+    assert all(float(s.mass_bound.max()) < 1e-2 for _, s in calls)
+    path = fixture.backend.path
+    assert [key for control in path.share_controls.values() for key in control._state] == [(r, 0) for r in rids]

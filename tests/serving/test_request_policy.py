@@ -109,9 +109,12 @@ def tiny(tmp_path_factory):
 def test_requests_choose_their_policy_in_one_batch(tiny, tmp_path):
     model, (dense_prompt, certified_prompt) = tiny
     stats = tmp_path / "stats.json"
+    # the certified requests run the one-pass rule a posteriori with the estimate share adapted per
+    # request and layer (decode.share_control): random-token prompts, flat attention, lower it
     env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-2", "LOUVER_MIN_SPARSE_TOKENS": "0",
            "LOUVER_PAGE_SIZE": "32", "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
-           "LOUVER_STATS_FILE": str(stats)}
+           "LOUVER_CERTIFIED_PASSES": "1", "LOUVER_CERTIFIED_RULE": "a_posteriori", "LOUVER_ESTIMATE_SHARE": "8",
+           "LOUVER_ESTIMATE_SHARE_MAX": "16", "LOUVER_STATS_FILE": str(stats)}
     dense_server = ServerProcess(model, "torch_native", free_port(), {}, SLEEP_ON_IDLE, tmp_path / "torch_native.log")
     louver = ServerProcess(model, "louver", free_port(), env, SLEEP_ON_IDLE, tmp_path / "louver.log")
     with sglang_servers([dense_server, louver]) as (dense_url, url):  # started together
@@ -140,6 +143,8 @@ def test_requests_choose_their_policy_in_one_batch(tiny, tmp_path):
     assert accounts["dense-1"]["policy"] == {"policy": "dense", "source": "request"}
     assert accounts["cert-1"]["policy"] == {"policy": "certified", "source": "request", "eps": 1e-4}
     assert accounts["cert-1"]["sparse_steps"] > 0 and accounts["cert-1"]["mass_bound_max"] < 1e-4
+    assert accounts["cert-1"]["lowered_steps"] <= accounts["cert-1"]["sparse_steps"]
+    assert data["lowered_steps"] >= accounts["cert-1"]["lowered_steps"] + accounts["plain-1"]["lowered_steps"]
     assert accounts["plain-1"]["policy"] == {"policy": "certified", "source": "server", "eps": 1e-2}
     assert accounts["openai-1"]["policy"] == {"policy": "budget", "source": "request", "budget": 0.25}
     assert certified["meta_info"]["completion_tokens"] == 24

@@ -1,0 +1,67 @@
+"""The share-sequence benchmark on a small synthetic trace: the control's state carries from step
+to step, every step is exact, and the sweep's outcomes are those of per-request runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import implementations_here
+from louver_eval.data.paged import paged_batch
+from louver_sgl import LouverConfig, PageIndexStore
+from louver_sgl.decode.plan import plan_decode
+from louver_sgl.decode.share_control import STEP
+
+pytestmark = pytest.mark.skipif("cpu" not in implementations_here("cpu"), reason="the compiled CPU step")
+
+LENGTH, STEPS, H_Q, H_KV, D = 2048, 6, 6, 2, 64
+
+
+def _trace() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(LENGTH, H_KV, D, generator=gen)
+    keys[..., :4] += 4 * torch.randn(LENGTH, H_KV, 1, generator=gen)
+    queries = torch.randn(STEPS, H_Q, D, generator=gen)
+    queries[..., :4] *= 3
+    meta = {"length": LENGTH, "softmax_scale": D ** -0.5}
+    return {"keys": {0: keys.half()}, "values": {0: torch.randn(LENGTH, H_KV, D, generator=gen).half()},
+            "queries": {0: queries}, "query_positions": torch.arange(LENGTH - STEPS, LENGTH), "meta": meta}
+
+
+@pytest.fixture(scope="module")
+def case():
+    from benchmarks.cpu.share_sequence import INDEX
+    pb = paged_batch(_trace(), 0, STEPS, INDEX["page_size"])
+    store = PageIndexStore(LouverConfig(**INDEX), len(pb.k) // INDEX["page_size"], H_KV, D, pb.k.dtype)
+    store.build_pages(pb.k, plan_decode(pb.page_table, pb.seq_lens, LouverConfig(**INDEX)).page_ids)
+    return pb, store
+
+
+def test_a_sequence_runs_its_steps_in_order_with_the_controls_state(case, monkeypatch):
+    from benchmarks.cpu import share_sequence as bench
+    pb, store = case
+    monkeypatch.setitem(bench.CONTROLS, "s32-max32", (32.0, 0.0))
+    fixed = bench.run_sequence(pb, store, 1e-2, "s32-max32", rounds=1)  # far above what passes here
+    adaptive = bench.run_sequence(pb, store, 1e-2, "s8-max32", rounds=1)
+    assert fixed["shares"] == [32.0] * STEPS and fixed["lowered_steps"] > 0
+    assert adaptive["shares"][0] == 8.0 and len(adaptive["shares"]) == STEPS
+    for row in (fixed, adaptive):
+        assert row["recall"] == 1.0 and row["bound_max"] < 1e-2 and row["louver_ms"] > 0 and row["dense_ms"] > 0
+    # a lowered step lowers the next step's share by √2 (above the floor of 1), a clean one keeps it
+    # (fewer than RAISE_AFTER clean steps); the last step's outcome moves no later share
+    pairs = list(zip(adaptive["shares"], adaptive["shares"][1:]))
+    lowered = sum(n == pytest.approx(max(1.0, s / STEP)) and n < s for s, n in pairs)
+    assert not any(n > s for s, n in pairs)
+    assert lowered <= adaptive["lowered_steps"] <= lowered + 1 and lowered > 0
+
+
+def test_the_sweep_records_each_step_at_each_share(case):
+    from benchmarks.cpu.share_sequence import LADDER, sweep
+    pb, store = case
+    out = sweep(pb, store, 1e-2)
+    assert out["shares"] == list(LADDER)
+    for name in ("lowered", "bound_over_eps", "union"):
+        assert len(out[name]) == len(LADDER) and all(len(row) == STEPS for row in out[name])
+    passed = [[not low for low in row] for row in out["lowered"]]
+    assert all(b <= 1.0 for row, ok in zip(out["bound_over_eps"], passed) for b, o in zip(row, ok) if o)
+    assert any(out["lowered"][-1]) and not any(out["lowered"][0])  # share 32 fails here, share 1 passes
