@@ -16,7 +16,7 @@ text, and a request's steps in one layer look alike from one token to the next (
 
 The bound is what makes a raise safe: over 128 consecutive steps of captured text and of random
 tokens (16K and 8K, five layers, ε = 1e-2 and 1e-3, every share from 1 to 32), a step that passed
-with its bound below 0.6·ε passed at √2 times the share too in all but 1 of 14,895 cases, one at
+with its bound below 0.6·ε passed at √2 times the share too in all but 1 of 14,894 cases, one at
 0.8·ε or above in 1 of 1,663.
 
 Any share certifies (the check, not the share, bounds the dropped mass), so the control only
