@@ -262,6 +262,7 @@ def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_p
                 "candidate_fraction": float(stats.candidates.sum() / (n_idx * pb.q.shape[1])),
                 "page_survival": float(stats.pages_read.sum() / stats.num_pages.sum().clamp(min=1)),
                 "dense_fallbacks": int(stats.dense_fallback.sum()),
+                "lowered_heads": int(stats.lowered.sum()),  # checks failed: the request attended again
                 "union_candidate_fraction": float(stats.union_candidates.sum() / (n_idx * pb.k.shape[1])),
                 "mass_bound_max": float(stats.mass_bound.max()),
                 "bytes_read": bytes_read(stats, pb, store, cfg),

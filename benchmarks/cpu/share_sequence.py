@@ -11,8 +11,9 @@ checked: recall against fp64 (must be 1.0) and the reported bound (≤ ε). A ro
 steps: louver ms, dense ms, their ratio, the steps with a lowered head (the request attended
 again), the mean GQA-union fraction and the shares the steps ran at.
 
-    python -m benchmarks.cpu.share_sequence --traces data/traces/bible_32768.pt data/traces/random_8192.pt \\
-        --layers 9 15 21 --out benchmarks/results/share_sequence_avx2.json
+    python -m louver_eval.data.capture --text bible --lengths 16384 --num-queries 128 --out data/traces_q128
+    python -m benchmarks.cpu.share_sequence --traces data/traces_q128/bible_16384.pt --layers 9 15 21 \\
+        --controls s3 s4 s5.7 s4-max16 --rounds 3 --out benchmarks/results/share_sequence_q128_avx2.json
 """
 
 from __future__ import annotations

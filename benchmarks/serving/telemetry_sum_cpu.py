@@ -24,8 +24,9 @@ def steps(layers: int, batch: int, heads: int) -> list[StepStats]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(layers):
-        packed = torch.rand(batch, heads + 1, 4, generator=gen, dtype=torch.float64).mul(100).floor()
+        packed = torch.rand(batch, heads + 1, 5, generator=gen, dtype=torch.float64).mul(100).floor()
         packed[:, heads, 0] = 0.0
+        packed[..., 4] = (packed[..., 4] > 95).double()  # a few lowered heads
         num_indexed = torch.full((batch,), 8000)
         out.append(StepStats.from_packed(packed, num_indexed, num_indexed // 128))
     return out

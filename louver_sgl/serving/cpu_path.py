@@ -59,7 +59,8 @@ class CpuDecodePath(DecodePath):
         self.serving, self.state, self.shapes = serving, state, shapes
         self.decode = self._make_decode(config)
         self.policy_decodes: OrderedDict[LouverConfig, LouverDecode] = OrderedDict()
-        self.share_controls: dict[LouverConfig, ShareControl] = {}  # per adaptive config
+        # per adaptive config, as many as decode objects (least recently used dropped)
+        self.share_controls: OrderedDict[LouverConfig, ShareControl] = OrderedDict()
         self.forward: DecodeForward | None = None
         self.groups: tuple[DecodeGroup, ...] = ()
 
@@ -155,9 +156,10 @@ class CpuDecodePath(DecodePath):
         config = group.decode.config
         if not config.adaptive_share or not group.rids:
             return None, []
-        control = self.share_controls.get(config)
-        if control is None:
-            control = self.share_controls[config] = ShareControl(config)
+        control = self.share_controls.pop(config, None) or ShareControl(config)
+        self.share_controls[config] = control
+        while len(self.share_controls) > MAX_POLICY_DECODES + 1:  # the server's config and the kept ones
+            self.share_controls.popitem(last=False)
         return control, [(rid, layer_id) for rid in group.rids]
 
     def report(self) -> None:
