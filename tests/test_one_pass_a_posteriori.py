@@ -165,10 +165,14 @@ def test_lowered_heads_beside_passing_ones(impl):
         assert torch.equal(step.attended[b], spec[b] if spec is not None else info[b]["attended"])
         counted = step.attended[b].sum(1) - (int(lens[b]) - int(step.stats.num_indexed[b]))
         assert torch.equal(counted, step.stats.candidates[b])
-        scores, _ = fp64_request(q, k, v, table, lens, b, 16)
+        scores, values = fp64_request(q, k, v, table, lens, b, 16)
         dropped = (torch.softmax(SIGMA * scores, dim=1) * ~step.attended[b]).sum(1)
         assert bool((dropped <= step.stats.mass_bound[b].double() * (1 + 1e-6)).all())
         assert not bool(((scores >= step.stats.threshold[b, :, None].double()) & ~step.attended[b]).any())
+        # the output is attention over that set: the lowered group's (attended again) and the passing
+        # group's (the compiled step keeps its first pass's state) alike
+        p = torch.softmax((SIGMA * scores).masked_fill(~step.attended[b], float("-inf")), dim=1)
+        torch.testing.assert_close(step.out[b].double(), torch.einsum("hl,lhd->hd", p, values), rtol=1e-4, atol=1e-5)
     assert bool((step.stats.mass_bound < config.eps).all())
 
 

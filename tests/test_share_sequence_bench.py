@@ -60,8 +60,10 @@ def test_the_sweep_records_each_step_at_each_share(case):
     pb, store = case
     out = sweep(pb, store, 1e-2)
     assert out["shares"] == list(LADDER)
-    for name in ("lowered", "bound_over_eps", "union"):
+    for name in ("lowered", "lowered_groups", "bound_over_eps", "union"):
         assert len(out[name]) == len(LADDER) and all(len(row) == STEPS for row in out[name])
     passed = [[not low for low in row] for row in out["lowered"]]
     assert all(b <= 1.0 for row, ok in zip(out["bound_over_eps"], passed) for b, o in zip(row, ok) if o)
     assert any(out["lowered"][-1]) and not any(out["lowered"][0])  # share 32 fails here, share 1 passes
+    assert all((groups > 0) == low and groups <= H_KV for lows, gs in zip(out["lowered"], out["lowered_groups"])
+               for low, groups in zip(lows, gs))

@@ -102,15 +102,19 @@ LADDER = (1.0, 2 ** 0.5, 2.0, 3.0, 2 ** 1.5, 4.0, 2 ** 2.5, 8.0, 2 ** 3.5, 16.0,
 
 def sweep(pb: PagedBatch, store: PageIndexStore, eps: float) -> dict:
     """Untimed: every step at every share of ``LADDER`` (the N requests as one batch, each at the
-    same share): per (share, step) whether a head was lowered, the largest reported bound over
-    eps, and the GQA-union fraction. The data a share control is designed on."""
+    same share): per (share, step) whether a head was lowered, how many KV groups, the largest
+    reported bound over eps, and the GQA-union fraction. The data a share control is designed on."""
     cfg = LouverConfig(**INDEX, policy="certified", eps=eps, certified_passes=1, certified_rule="a_posteriori")
     decode = LouverDecode(cfg, "cpu").plan(pb.page_table, pb.seq_lens)
-    out = {"eps": eps, "shares": list(LADDER), "lowered": [], "bound_over_eps": [], "union": []}
+    out = {"eps": eps, "shares": list(LADDER), "lowered": [], "lowered_groups": [], "bound_over_eps": [],
+           "union": []}
+    h_kv = pb.k.shape[1]
     for share in LADDER:
         stats = decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True,
                            estimate_share=torch.full((len(pb.seq_lens),), share, dtype=torch.float64)).stats
         out["lowered"].append(stats.lowered.any(1).tolist())
+        # KV groups with a lowered head, per step (the compiled step attends those again)
+        out["lowered_groups"].append(stats.lowered.view(len(pb.seq_lens), h_kv, -1).any(2).sum(1).tolist())
         out["bound_over_eps"].append((stats.mass_bound.max(1).values / eps).tolist())
         out["union"].append((stats.union_candidates / (stats.num_indexed * pb.k.shape[1]).clamp(min=1)).tolist())
     return out

@@ -53,6 +53,10 @@ struct AttendArgs {
   // only_req [B] (null: every request): the pass runs the chunks of the requests marked 1 and
   // writes nothing for the others (the one-scan certified step's two kinds of requests)
   const uint8_t* only_req = nullptr;
+  // only_kv [B·H_kv] (null: every KV head), with only_req: of those requests' chunks, the pass
+  // runs the KV heads marked 1 and writes nothing for the others, which keep the earlier pass's
+  // chunk states (the one-pass a-posteriori rule's groups with no lowered head)
+  const uint8_t* only_kv = nullptr;
   // residual int8 weights (quantize_weights_residual): a second integer dot per token for a bound
   // ~250 times tighter in its int8 slack; applied where 2·G <= 8 (the dot kernels' heads)
   bool residual = false;
@@ -105,6 +109,7 @@ struct ChunkRunner {
   std::vector<HeadState> st;
   int64_t n_cand = 0, n_union = 0, n_values = 0, n_pages_read = 0;
   int64_t page_row = 0;  // the page row open_page last saw
+  bool skip = false;  // AttendArgs::only_kv left this KV head out of the chunk: no page opens
 
   ChunkRunner(const AttendArgs& args, const KV* kc_, const KV* vc_, const KV* lo_, const KV* sc_,
               const KV* rad_, int64_t chunk, int64_t kv_head)
@@ -157,6 +162,7 @@ struct ChunkRunner {
   // Page bounds of page row i; if some head of the group keeps the page, its token weights are
   // quantised and the page is open for scanning. Returns whether it is open.
   bool open_page(int64_t i) {
+    if (skip) return open = false;
     const int64_t G = a.groups, D = a.dim, meta = (a.page_ids[i] * a.h_kv + k) * D;
     page_row = i;
     load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
@@ -817,6 +823,8 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
     } else {
       for (auto& r : runners) r.reset(c);
     }
+    for (int64_t k = 0; k < a.h_kv; ++k)
+      runners[k].skip = a.only_kv && !a.only_kv[a.chunk_req[c] * a.h_kv + k];
     if (!a.band) {
       run_chunk(runners, a, c);
     } else if (a.band_req[a.chunk_req[c]]) {  // the other requests' chunks: an empty state
@@ -825,6 +833,7 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
     if (a.t_reserve)
       for (int64_t k = 0; k < a.h_kv; ++k) a.reserve_count[c * a.h_kv + k] = runners[k].res_n;
     for (int64_t k = 0; k < a.h_kv; ++k) {
+      if (runners[k].skip) continue;  // the earlier pass's state stands
       const int64_t task = c * a.h_kv + k, base = task * G;
       runners[k].write(a.m_out + base, a.l_out + base, a.o_out + base * a.dim_v, a.counts + task * (2 * G + 3),
                        a.mass + base * 3);
