@@ -130,16 +130,16 @@ def a_posteriori_filter(pb, tok, page_req, ref, z_est, sigma: float, config: Lou
     return _apply(t0, pb, x_page, tok, x_tok, page_req, torch.arange(len(pb)), cert), first
 
 
-def a_posteriori_second(first: FirstLevel, ref, z_att, sigma: float, config: LouverConfig):
+def a_posteriori_second(first: FirstLevel, ref, z_att, sigma: float, config: LouverConfig) -> FilterResult:
     """The check against Z_att ``[B, H_q]`` fp64 and the final level
-    (``threshold.a_posteriori_second``): (FilterResult at the final T, with its certificate as
-    the dropped mass; band ``[B, H_q]`` bool: the heads whose level was lowered)."""
+    (``threshold.a_posteriori_second``): FilterResult at the final T, with its certificate as the
+    dropped mass and the heads whose level was lowered (the band) as ``lowered``."""
     _, t, cert, band = th.a_posteriori_second(first.bound, first.edge, ref, z_att, sigma,
                                               config.eps * th.BUDGET_SAFETY)
     filt = _apply(t, first.pb, first.x_page, first.tok, first.x_tok, first.page_req, torch.arange(len(first.pb)),
                   cert)
     filt.lowered = band
-    return filt, band
+    return filt
 
 
 def one_pass_filter(pb, tok, page_req, ref, z_lb, sigma: float, config: LouverConfig) -> FilterResult:
@@ -172,20 +172,20 @@ def provisional_filter(pb, tok, page_req, ref, z_level, sigma: float, config: Lo
 
 
 def one_pass_a_posteriori_check(provisional: FilterResult, pb, tok, page_req, ref, z_att, sigma: float,
-                                config: LouverConfig) -> tuple[FilterResult, torch.Tensor]:
+                                config: LouverConfig) -> FilterResult:
     """The check of the one-pass rule a posteriori against Z_att ``[B, H_q]`` fp64
-    (``threshold.lowered_to_safe``): (FilterResult at the final T with the certificates as its
-    dropped mass, lowered ``[B, H_q]`` bool)."""
+    (``threshold.lowered_to_safe``): FilterResult at the final T with the certificates as its
+    dropped mass and the lowered heads as ``lowered``."""
     batch, size = ref.shape[0], tok.shape[1]
     num_indexed = seg_sum(torch.ones_like(page_req), page_req, batch) * size
     t, certificate, lowered = th.lowered_to_safe(provisional.threshold, provisional.dropped, z_att, ref, num_indexed,
                                                  sigma, config.eps * th.BUDGET_SAFETY, th.HIST_ROUNDING)
     if not bool(lowered.any()):
         provisional.dropped, provisional.lowered = certificate, lowered
-        return provisional, lowered
+        return provisional
     filt = _refilter(t, pb, tok, page_req, ref, sigma, certificate)
     filt.lowered = lowered
-    return filt, lowered
+    return filt
 
 
 def _refilter(t, pb, tok, page_req, ref, sigma: float, certificate=None) -> FilterResult:

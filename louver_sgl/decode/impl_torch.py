@@ -150,8 +150,8 @@ def _a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: ExactPart, 
     _, fallback = _fallback_mask(first, plan, h_kv, config)
     cand = _candidates(q32, k_cache, first, plan, fallback)
     z_att = _attended_z(cand, ex, sigma)
-    filt, band = a_posteriori_second(level, ex.ref, z_att, sigma, config)
-    if not bool(band.any()):
+    filt = a_posteriori_second(level, ex.ref, z_att, sigma, config)
+    if not bool(filt.lowered.any()):
         return filt, cand
     _, fallback = _fallback_mask(filt, plan, h_kv, config)
     extra = _union_rows(filt, plan, h_kv) & ~_union_rows(first, plan, h_kv)
@@ -174,9 +174,9 @@ def _one_pass_a_posteriori(q32, k_cache, store, bounds, plan: DecodePlan, ex: Ex
     provisional = provisional_filter(pb, tok, plan.page_req, ex.ref, z_est, sigma, config)
     cand = _candidates(q32, k_cache, provisional, plan, torch.zeros(batch, dtype=torch.bool))
     z_att = _attended_z(cand, ex, sigma)
-    filt, lowered = one_pass_a_posteriori_check(provisional, pb, tok, plan.page_req, ex.ref, z_att, sigma, config)
+    filt = one_pass_a_posteriori_check(provisional, pb, tok, plan.page_req, ex.ref, z_att, sigma, config)
     union, fallback = _fallback_mask(filt, plan, h_kv, config)
-    if bool(lowered.any()) or bool(fallback.any()):
+    if bool(filt.lowered.any()) or bool(fallback.any()):
         cand = _candidates(q32, k_cache, filt, plan, fallback)
     return filt, cand, union, fallback
 

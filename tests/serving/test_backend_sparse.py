@@ -33,6 +33,18 @@ class _Case(unittest.TestCase):
         pass
 
 
+def _decode_fixture(monkeypatch, env: dict, name: str, prefix_lens: tuple[int, ...]):
+    """The backend's options from ``env`` (``LOUVER_*``), and the kit's decode batch of three
+    requests over them (4 query heads, 2 KV heads, pages of 16, fp32): built, not yet run."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    case = kit.DenseAttentionCase(name=name, backend="louver", forward_mode=ForwardMode.DECODE,
+                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=prefix_lens)
+    with torch.no_grad():
+        return kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
+                                                 max_context_len=512)
+
+
 @pytest.mark.parametrize("policy,extra", [("budget", {"LOUVER_BUDGET": "0.2"}), ("certified", {"LOUVER_EPS": "1e-2"}),
                                           ("fixed", {"LOUVER_FIXED_THRESHOLD": "0.5"})])
 def test_backend_decode_matches_reference(policy, extra, monkeypatch):
@@ -41,8 +53,6 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
     # config (8-bit codes, every request sparse) whatever this machine's nearest profile is
     env = {"LOUVER_POLICY": policy, "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
            "LOUVER_DENSE_FALLBACK_FRACTION": "1.0", "LOUVER_PROFILE": "none", **extra}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     calls = []
 
     def recording(self, q, k_cache, v_cache, store, sigma, **kwargs):
@@ -55,12 +65,8 @@ def test_backend_decode_matches_reference(policy, extra, monkeypatch):
 
     real = api.LouverDecode.run
     monkeypatch.setattr(api.LouverDecode, "run", recording)
-    case = kit.DenseAttentionCase(name="sparse_decode", backend="louver", forward_mode=ForwardMode.DECODE,
-                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(100, 250, 37))
-    with torch.no_grad():
-        fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
-                                                    max_context_len=512)
-        kit.run_dense_fixture_eager(fixture)
+    fixture = _decode_fixture(monkeypatch, env, "sparse_decode", (100, 250, 37))
+    kit.run_dense_fixture_eager(fixture)
     assert calls, "the backend did not run the louver decode step"
     assert any(bool((~m).any()) for *_, attended in calls for m in attended), "no step pruned a key"
     for args, out, stats, attended in calls:
@@ -101,11 +107,8 @@ def test_requests_with_their_own_policy_share_the_forward_in_groups(monkeypatch)
     from louver_sgl.serving import cpu_path
     from louver_sgl.serving.request_policy import parse
 
-    for key, value in {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.2", "LOUVER_SINK_PAGES": "0",
-                       "LOUVER_RECENT_PAGES": "0", "LOUVER_PROFILE": "none"}.items():
-        monkeypatch.setenv(key, value)
-    case = kit.DenseAttentionCase(name="request_policies", backend="louver", forward_mode=ForwardMode.DECODE,
-                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(300, 250, 280))
+    env = {"LOUVER_POLICY": "budget", "LOUVER_BUDGET": "0.2", "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0",
+           "LOUVER_PROFILE": "none"}
 
     def run(policies):
         monkeypatch.setattr(cpu_path, "requests_of", lambda forward_batch, batch_size: policies)
@@ -118,9 +121,8 @@ def test_requests_with_their_own_policy_share_the_forward_in_groups(monkeypatch)
             return result
 
         monkeypatch.setattr(api.LouverDecode, "run", recording)
+        fixture = _decode_fixture(monkeypatch, env, "request_policies", (300, 250, 280))
         with torch.no_grad():
-            fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
-                                                        max_context_len=512)
             out = kit.run_dense_fixture_eager(fixture)
             want = kit.expected_dense_fixture_output(fixture)
         monkeypatch.setattr(api.LouverDecode, "run", real)
@@ -152,8 +154,6 @@ def test_the_estimate_share_is_kept_per_request_and_layer(monkeypatch):
     env = {"LOUVER_POLICY": "certified", "LOUVER_EPS": "1e-2", "LOUVER_CERTIFIED_PASSES": "1",
            "LOUVER_CERTIFIED_RULE": "a_posteriori", "LOUVER_ESTIMATE_SHARE": "8", "LOUVER_ESTIMATE_SHARE_MAX": "16",
            "LOUVER_SINK_PAGES": "0", "LOUVER_RECENT_PAGES": "0", "LOUVER_PROFILE": "none"}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     rids = ["r0", "r1", "r2"]
     groups = cpu_path.CpuDecodePath._groups
     monkeypatch.setattr(cpu_path.CpuDecodePath, "_groups",  # the kit's batch carries no request ids
@@ -166,13 +166,9 @@ def test_the_estimate_share_is_kept_per_request_and_layer(monkeypatch):
         return result
 
     monkeypatch.setattr(api.LouverDecode, "run", recording)
-    case = kit.DenseAttentionCase(name="share_control", backend="louver", forward_mode=ForwardMode.DECODE,
-                                  num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(300, 250, 280))
-    with torch.no_grad():
-        fixture = kit.build_dense_attention_fixture(_Case(), case, device="cpu", dtype=torch.float32,
-                                                    max_context_len=512)
-        for _ in range(2):  # the same decode forward twice: the second reads the first's outcomes
-            kit.run_dense_fixture_eager(fixture)
+    fixture = _decode_fixture(monkeypatch, env, "share_control", (300, 250, 280))
+    for _ in range(2):  # the same decode forward twice: the second reads the first's outcomes
+        kit.run_dense_fixture_eager(fixture)
     (first, stats), (second, _) = calls
     assert first.tolist() == [8.0] * 3
     lowered = stats.lowered.any(1)
