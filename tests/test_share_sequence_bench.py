@@ -67,3 +67,23 @@ def test_the_sweep_records_each_step_at_each_share(case):
     assert any(out["lowered"][-1]) and not any(out["lowered"][0])  # share 32 fails here, share 1 passes
     assert all((groups > 0) == low and groups <= H_KV for lows, gs in zip(out["lowered"], out["lowered_groups"])
                for low, groups in zip(lows, gs))
+
+
+def test_each_step_is_paired_with_dense_attention_over_its_own_request(case):
+    """The dense side of a step (any variant ``fastest_dense`` may pick) attends request b's own
+    keys in the shared pool: its output equals fp64 attention over that request's context."""
+    from benchmarks.cpu.share_sequence import INDEX, dense_step, fastest_dense, one_request
+    pb, _ = case
+    size = INDEX["page_size"]
+    names = ("sdpa-gqa-bfloat16", "bmm-gqa-float32", "sdpa-float16", fastest_dense(pb))
+    for b in (0, STEPS - 1):
+        req = one_request(pb, b)
+        pos = torch.arange(int(req.seq_lens[0]))
+        slots = req.page_table[0, pos // size] * size + pos % size
+        k, v = req.k[slots].double(), req.v[slots].double()  # [L, H_kv, D]
+        q = req.q[0].double().view(H_KV, -1, D)
+        p = torch.softmax(torch.einsum("hgd,lhd->hgl", q, k) * req.sigma, -1)
+        want = torch.einsum("hgl,lhd->hgd", p, v).reshape(H_Q, D)
+        for name in names:
+            got = torch.stack([x.reshape(-1, D) for x in dense_step(req, name)()]).reshape(H_Q, D)
+            torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2, msg=name)

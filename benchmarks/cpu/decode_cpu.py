@@ -123,20 +123,22 @@ def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int
     return ms["base"], ms["fn"]
 
 
-def dense_variants(pb: PagedBatch, huge_pages: bool = False) -> dict:
-    """Dense decode attention closures over pre-gathered contiguous K/V.
+def dense_variants(pb: PagedBatch, huge_pages: bool = False,
+                   dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16), page_size: int | None = None) -> dict:
+    """Dense decode attention closures over pre-gathered contiguous K/V, named ``{sdpa,bmm}[-gqa]-{dtype}``.
 
-    Per dtype: SDPA and bmm over K/V expanded to the query heads ``[H_q, L, D]``, and the
+    Per dtype of ``dtypes``: SDPA and bmm over K/V expanded to the query heads ``[H_q, L, D]``, and the
     GQA-grouped forms over ``[H_kv, L, D]`` (each KV head read once for its G query heads, which
     is the fastest dense path at long context here). ``huge_pages``: the gathered K/V lie on
     transparent huge pages (as louver's pool does when the benchmark gives it huge pages).
+    ``page_size``: the pool's, where its pages are not exactly the table's (one request of a batch).
     """
     place = huge_copy if huge_pages else (lambda t: t)
     batch, h_q, _ = pb.q.shape
     groups = h_q // pb.k.shape[1]
-    size = len(pb.k) // pb.page_table.numel()
+    size = page_size or len(pb.k) // pb.page_table.numel()  # default: a pool of the table's pages alone
     out = {}
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for dtype in dtypes:
         ks, vs = [], []
         for b, n in enumerate(pb.seq_lens.tolist()):
             pos = torch.arange(n)

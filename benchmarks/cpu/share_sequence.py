@@ -5,11 +5,12 @@ L − N … L − 1; N = 16 by default, ``capture --num-queries`` for more). Eac
 over its own context, in order, under the certified one-pass rule a posteriori (8-bit grid, page
 128, fp16 KV) with either a fixed estimate share or ``decode.share_control.ShareControl`` (start
 ``estimate_share``, up to ``estimate_share_max``), whose state carries from step to step as in
-the server. Each step is timed in alternation with
-the fastest dense path over the same context (bf16 SDPA, GQA-grouped, K/V pre-gathered) and
-checked: recall against fp64 (must be 1.0) and the reported bound (≤ ε). A row sums the N
-steps: louver ms, dense ms, their ratio, the steps with a lowered head (the request attended
-again), the mean GQA-union fraction and the shares the steps ran at.
+the server. Each step is timed in alternation with the fastest dense path over the same context
+(``fastest_dense``: the quickest of the decode benchmark's dense variants on the first step, K/V
+pre-gathered onto huge pages as louver's pool is) and checked: recall against fp64 (must be 1.0)
+and the reported bound (≤ ε). A row sums the N steps: louver ms, dense ms (and the dense variant's
+name), their ratio, the steps with a lowered head (the request attended again), the mean GQA-union
+fraction and the shares the steps ran at.
 
     python -m louver_eval.data.capture --text bible --lengths 16384 --num-queries 128 --out data/traces_q128
     python -m benchmarks.cpu.share_sequence --traces data/traces_q128/bible_16384.pt --layers 9 15 21 \\
@@ -25,7 +26,6 @@ from datetime import date
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from louver_eval.data.paged import PagedBatch, load_trace, paged_batch
@@ -35,7 +35,7 @@ from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.plan import plan_decode
 from louver_sgl.decode.share_control import ShareControl
 
-from .decode_cpu import recall_of_step, timeit_alternating
+from .decode_cpu import dense_variants, recall_of_step, timeit, timeit_alternating
 
 INDEX = {"family": "grid", "grid_bits": 8, "page_size": 128}
 # name -> (estimate_share, estimate_share_max: 0 fixed; a fixed share above 8, the config's cap, runs
@@ -52,24 +52,30 @@ def one_request(pb: PagedBatch, b: int) -> PagedBatch:
     return PagedBatch(pb.q[b:b + 1], pb.k, pb.v, pb.page_table[b:b + 1], pb.seq_lens[b:b + 1], pb.sigma)
 
 
-def dense_step(pb: PagedBatch):
-    """The fastest dense path of these benchmarks at 32K (docs/benchmarks.md): bf16 SDPA over the
-    request's K/V gathered to ``[H_kv, L, D]`` (untimed), the G query heads of a KV head together."""
-    pos = torch.arange(int(pb.seq_lens[0]))
-    slots = pb.page_table[0, pos // INDEX["page_size"]] * INDEX["page_size"] + pos % INDEX["page_size"]
-    k = pb.k[slots].to(torch.bfloat16).permute(1, 0, 2).contiguous()
-    v = pb.v[slots].to(torch.bfloat16).permute(1, 0, 2).contiguous()
-    q = pb.q[0].to(torch.bfloat16).view(k.shape[0], -1, k.shape[2])
-    return lambda: F.scaled_dot_product_attention(q, k, v, scale=pb.sigma)
+def fastest_dense(pb: PagedBatch) -> str:
+    """The name of the fastest of ``decode_cpu.dense_variants`` on request 0 of ``pb`` (SDPA or bmm,
+    per query head or GQA-grouped, fp32/fp16/bf16): which one wins depends on the machine (bf16 SDPA
+    on the AVX2 EPYC, bf16 GQA bmm at 2-3x faster than bf16 SDPA on the AVX-512 one)."""
+    variants = dense_variants(one_request(pb, 0), huge_pages=True, page_size=INDEX["page_size"])
+    return min(variants, key=lambda name: timeit(variants[name], 5))
 
 
-def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name: str, rounds: int) -> dict:
-    """The N steps of one control in order; see the module docstring."""
+def dense_step(pb: PagedBatch, name: str):
+    """Dense variant ``name`` of ``decode_cpu.dense_variants`` over the request's K/V, gathered here
+    (untimed)."""
+    dtype = getattr(torch, name.rsplit("-", 1)[1])
+    return dense_variants(pb, huge_pages=True, dtypes=(dtype,), page_size=INDEX["page_size"])[name]
+
+
+def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name: str, rounds: int,
+                 dense_name: str = "sdpa-gqa-bfloat16") -> dict:
+    """The N steps of one control in order, each paired with dense variant ``dense_name``
+    (``fastest_dense``); see the module docstring."""
     start, top = CONTROLS[control_name]
     cfg = LouverConfig(**INDEX, policy="certified", eps=eps, certified_passes=1, certified_rule="a_posteriori",
                        estimate_share=min(start, 8.0), estimate_share_max=top)
     control = ShareControl(cfg) if cfg.adaptive_share else None
-    row = {"control": control_name, "eps": eps, "louver_ms": 0.0, "dense_ms": 0.0, "lowered_steps": 0,
+    row = {"control": control_name, "eps": eps, "dense": dense_name, "louver_ms": 0.0, "dense_ms": 0.0, "lowered_steps": 0,
            "shares": [], "union": [], "recall": 1.0, "bound_max": 0.0}
     for b in range(len(pb.seq_lens)):
         req = one_request(pb, b)
@@ -78,7 +84,7 @@ def run_sequence(pb: PagedBatch, store: PageIndexStore, eps: float, control_name
         step = lambda: decode.run(req.q, req.k, req.v, store, req.sigma, stats=True,  # noqa: E731
                                   estimate_share=share if (control is not None or start > 8.0) else None)
         result = step()  # the step whose outcome moves the control (the timed repeats run the same share)
-        dense = dense_step(req)
+        dense = dense_step(req, dense_name)
         dense()
         ms = timeit_alternating({"dense": dense, "louver": step}, rounds)
         stats = result.stats
@@ -145,14 +151,15 @@ def main() -> None:
                                    pb.k.shape[2], pb.k.dtype)
             store.build_pages(pb.k, plan_decode(pb.page_table, pb.seq_lens, LouverConfig(**INDEX)).page_ids)
             if not args.sweep:  # warm-up: the first sequence of a process ran up to 2x slower
-                run_sequence(pb, store, args.eps[0], args.controls[0], 1)
+                dense_name = fastest_dense(pb)
+                run_sequence(pb, store, args.eps[0], args.controls[0], 1, dense_name)
             for eps in args.eps:
                 if args.sweep:
                     results["rows"].append({"trace": trace_path, "layer": layer, **sweep(pb, store, eps)})
                     Path(args.out).write_text(json.dumps(results, indent=1))
                     continue
                 for name in args.controls:
-                    row = run_sequence(pb, store, eps, name, args.rounds)
+                    row = run_sequence(pb, store, eps, name, args.rounds, dense_name)
                     row.update(trace=trace_path, layer=layer)
                     results["rows"].append(row)
                     print(f"{Path(trace_path).stem} L{layer} eps={eps:g} {name}: {row['speedup']:.2f}x, "
