@@ -76,10 +76,10 @@ from louver_sgl.index.bound_designs import (
 )
 from louver_sgl.index.grid import unpack_codes
 
-# the designs the kernels run today (a grid of 8 or 4 bits; GPU: 8-bit, page 64)
-SHIPPED = {"grid8-p64": ["gpu (nvidia_h200.json, defaults)"], "grid4-p128": ["cpu (cpu_amd_epyc_avx2/avx512.json)"],
-           "grid4-p64": ["cpu (cpu_amd_epyc_avx2.float32.json)"],
-           "grid8-p128": ["cpu (cpu_intel_r_xeon_r_processor_avx512.float32.json)"]}
+# the designs the kernels run today in the shipped profiles (GPU: 8-bit, page 64; every CPU profile,
+# fp16 and fp32, since the 2026-12-05/06 re-tunings: 8-bit, page 128)
+SHIPPED = {"grid8-p64": ["gpu (nvidia_h200.json, defaults)"],
+           "grid8-p128": ["cpu (cpu_amd_epyc_avx2, cpu_amd_epyc_avx512, cpu_intel_r_xeon_r_processor_avx512)"]}
 POLICIES = (("budget0.05", None), ("certified1e-2", 1e-2), ("certified1e-3", 1e-3))
 SECTOR = 32  # bytes: the smallest unit a GPU reads from memory (a CPU cache line is 64)
 
