@@ -386,7 +386,9 @@ def test_the_amd_avx512_machine_serves_fp32_with_its_fp32_profile():
     config, serving, selection = resolve_options("cpu", Shapes(64, 9, 3, "float32"), search(SHIPPED_DIR),
                                                  "AMD EPYC avx512")
     assert selection.kind == "exact" and "cpu_amd_epyc_avx512.float32.json" in selection.message
-    assert config.grid_bits == 8 and serving.one_scan is True and serving.residual_weights is False
+    profile = Profile.load(SHIPPED_DIR / "cpu_amd_epyc_avx512.float32.json")
+    assert config.grid_bits == 8 and {k: getattr(config, k) for k in profile.config} == dict(profile.config)
+    assert {k: getattr(serving, k) for k in profile.launch} == dict(profile.launch)
     _, _, selection = resolve_options("cpu", Shapes(64, 9, 3, "float16"), search(SHIPPED_DIR), "AMD EPYC avx512")
     assert selection.kind == "exact" and selection.message.find("cpu_amd_epyc_avx512.json") >= 0
 
