@@ -41,6 +41,18 @@ if TYPE_CHECKING:
 MAX_POLICY_DECODES = 16  # decode objects kept for per-request configs (least recently used dropped)
 
 
+def _kept(cache: OrderedDict, key, make, capacity: int):
+    """``cache[key]`` (``make()`` where absent) as the most recently used entry, the least recently
+    used dropped past ``capacity``."""
+    value = cache.pop(key, None)
+    if value is None:
+        value = make()
+    cache[key] = value
+    while len(cache) > capacity:
+        cache.popitem(last=False)
+    return value
+
+
 @dataclass(frozen=True)
 class DecodeGroup:
     """The requests of a decode forward that run one config: ``rows`` ``[b]`` int64 of the batch
@@ -110,11 +122,7 @@ class CpuDecodePath(DecodePath):
         """The decode object of ``config`` (the server's, or one kept per request config)."""
         if config == self.decode.config:
             return self.decode
-        decode = self.policy_decodes.pop(config, None) or self._make_decode(config)
-        self.policy_decodes[config] = decode
-        while len(self.policy_decodes) > MAX_POLICY_DECODES:
-            self.policy_decodes.popitem(last=False)
-        return decode
+        return _kept(self.policy_decodes, config, lambda: self._make_decode(config), MAX_POLICY_DECODES)
 
     def run_layer(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         start = time.perf_counter()
@@ -156,10 +164,8 @@ class CpuDecodePath(DecodePath):
         config = group.decode.config
         if not config.adaptive_share or not group.rids:
             return None, []
-        control = self.share_controls.pop(config, None) or ShareControl(config)
-        self.share_controls[config] = control
-        while len(self.share_controls) > MAX_POLICY_DECODES + 1:  # the server's config and the kept ones
-            self.share_controls.popitem(last=False)
+        # one per decode object: the server's config and the kept ones
+        control = _kept(self.share_controls, config, lambda: ShareControl(config), MAX_POLICY_DECODES + 1)
         return control, [(rid, layer_id) for rid in group.rids]
 
     def report(self) -> None:
