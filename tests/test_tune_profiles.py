@@ -393,6 +393,21 @@ def test_the_amd_avx512_machine_serves_fp32_with_its_fp32_profile():
     assert selection.kind == "exact" and selection.message.find("cpu_amd_epyc_avx512.json") >= 0
 
 
+def test_the_amd_avx512_fp32_profile_serves_budget_with_its_budget_section():
+    """A budget server with an fp32 pool on the AMD EPYC AVX-512 machine takes the fp32 profile's
+    budget section (docs/tuning.md, its budget study), a certified one the main values."""
+    profile = Profile.load(SHIPPED_DIR / "cpu_amd_epyc_avx512.float32.json")
+    section = profile.to_dict()["policies"]["budget"]
+    env = {**search(SHIPPED_DIR), "LOUVER_POLICY": "budget"}
+    config, serving, selection = resolve_options("cpu", Shapes(64, 9, 3, "float32"), env, "AMD EPYC avx512")
+    assert "'budget' section" in selection.message and "cpu_amd_epyc_avx512.float32.json" in selection.message
+    assert config.policy == "budget"
+    assert {k: getattr(config, k) for k in section["config"]} == section["config"]
+    assert {k: getattr(serving, k) for k in section["launch"]} == section["launch"]
+    config, _, _ = resolve_options("cpu", Shapes(64, 9, 3, "float32"), search(SHIPPED_DIR), "AMD EPYC avx512")
+    assert (config.sink_pages, config.recent_pages) == (profile.config["sink_pages"], profile.config["recent_pages"])
+
+
 def test_cpu_threads_restores_the_count():
     before = torch.get_num_threads()
     with cpu_threads(1):
