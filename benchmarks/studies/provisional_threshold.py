@@ -18,11 +18,17 @@ Provisional levels compared, per query head:
   mass of the keys the head keeps at T_p, a lower bound of Z at least Z_lb): ``safe-est-s``, the
   safe level with Z_est = max(Z_lb, s·(Z_dense + (n/M)·Z_sample)) in place of Z_lb (the
   a-posteriori rule's estimate), and ``sample-scores-est-c``, the sample-scores level against
-  c·eps·Z_est; both floored at ``safe``. A failing check takes the histogram rule, as above.
+  c·eps·Z_est; both floored at ``safe``, and ``att-est-s-c``: the highest sample score at which
+  the sample's estimate of the dropped mass fits c·eps times its estimate of the check's own
+  denominator, Z_dense + (n/M)·Σ of the sample's masses at or above the level (what the head
+  would attend there), floored at ``safe-est-s`` (never below the shipped level at that share).
+  A failing check takes the histogram rule, as above.
 
 For each rule: the fraction of (query, head) checks that pass, and the mean ratio of indexed
 candidates kept to those the histogram rule keeps (passing checks; a failing one keeps the
-histogram rule's set at the cost of a second pass).
+histogram rule's set at the cost of a second pass); with ``--union``, also the GQA union of the
+group's candidates (the K rows a step scores) and the share of (query, KV group) checks where
+some head of the group fails (the compiled step then attends that group again).
 
     python -m benchmarks.studies.provisional_threshold --traces data/traces/bible_8192.pt data/traces/bible_32768.pt \\
         --out benchmarks/results/provisional_threshold.json
@@ -45,7 +51,9 @@ from benchmarks.record import write_result
 
 MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
 SAMPLE_SHARES = (0.05, 0.1, 0.25, 0.5)
-EST_SHARES = (1.0, 3.0)  # the a-posteriori rule's estimate_share values
+EST_SHARES = (1.0, 3.0, 4.0)  # the a-posteriori rule's estimate_share values (4: the AMD profiles')
+ATT_EST_SHARES = (3.0, 4.0)  # att-est floors: the shipped level at the default share and the profiles' 4
+ATT_SHARES = (0.1, 0.25, 0.5)
 
 
 def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, config: LouverConfig, sigma: float):
@@ -105,6 +113,24 @@ def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size, values=No
     return level.float()
 
 
+def attended_level(ref, z_dense, sample_scores, n_indexed, sigma, eps_budget, share):
+    """The ``att-est`` level [H]: the highest sample score s_j whose estimated dropped mass
+    (n/M)·Σ_{s_i < s_j} e^{σ(s_i − ref)} fits share·eps·(Z_dense + (n/M)·Σ_{s_i ≥ s_j} e^{σ(s_i − ref)}),
+    the check's denominator as the sample sees it; −inf where none fits."""
+    order = sample_scores.double().sort(dim=0).values  # [M, H]
+    mass = torch.exp(sigma * (order - ref.double())) * (n_indexed / order.shape[0])
+    below = torch.cumsum(mass, 0) - mass
+    above = mass.sum(0) - below
+    fits = below <= share * eps_budget * (z_dense.double() + above)
+    return torch.where(fits, order, -math.inf).amax(0).float()
+
+
+def union_kept(pb, tb, t, groups: int):
+    """GQA-union candidates [H_kv] at per-head thresholds t [H]: the rows some head of the group keeps."""
+    keep = ~(pb < t)[:, None, :] & ~(tb < t)  # [NP, P, H]
+    return keep.view(*keep.shape[:2], -1, groups).any(-1).sum((0, 1))
+
+
 def attended_mass(pb, tb, exact, ref, t, sigma):
     """The exact mass [H] fp64 of the indexed keys each head keeps at t (its part of Z_att)."""
     keep = ~(pb < t)[:, None, :] & ~(tb < t)
@@ -115,7 +141,7 @@ def safe_level(ref, z_lb, n_indexed, sigma, eps_budget, rounding):
     return (ref.double() + torch.log(eps_budget * z_lb / ((1 + rounding) * n_indexed)) / sigma).float()
 
 
-def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
+def measure(path: Path, eps: float, config: LouverConfig, union: bool = False) -> list[dict]:
     trace = load_trace(path)
     out = []
     for layer in sorted(trace["keys"]):
@@ -157,15 +183,27 @@ def measure(path: Path, eps: float, config: LouverConfig) -> list[dict]:
                 for share in SAMPLE_SHARES:
                     est = sample_level(tb, ref, z_est, sigma, eps_budget, share, config.sample_size, sample_scores)
                     rules[f"sample-scores-est{est_share:g}-{share:g}-zatt"] = torch.maximum(est, safe)
+            for est_share in ATT_EST_SHARES:
+                z_est = torch.maximum(z_lb, est_share * (z_dense + z_sample * n_idx / m))
+                floor = torch.maximum(safe_level(ref, z_est, n_idx, sigma, eps_budget, th.HIST_ROUNDING), safe)
+                for share in ATT_SHARES:
+                    level = attended_level(ref, z_dense, sample_scores, n_idx, sigma, eps_budget, share)
+                    rules[f"att-est{est_share:g}-{share:g}-zatt"] = torch.maximum(level, floor)
             for rule, t_p in rules.items():
                 d_p, kept_p = dropped_and_kept(pb, tb, ref, t_p, sigma)
                 z = z_lb
                 if rule.endswith("-zatt"):
                     z = torch.maximum(z_lb, z_dense + attended_mass(pb, tb, exact, ref, t_p, sigma))
                 ok = d_p * (1 + th.HIST_ROUNDING) <= eps_budget * z
-                out.append(dict(trace=path.name, layer=layer, query=qi, rule=rule, eps=eps,
-                                passed=ok.tolist(), kept=kept_p.tolist(), kept_histogram=kept_c.tolist(),
-                                indexed=n_idx))
+                row = dict(trace=path.name, layer=layer, query=qi, rule=rule, eps=eps,
+                           passed=ok.tolist(), kept=kept_p.tolist(), kept_histogram=kept_c.tolist(),
+                           indexed=n_idx)
+                if union:
+                    groups = len(ok) // k.shape[1]
+                    row["union"] = union_kept(pb, tb, t_p, groups).tolist()
+                    row["union_histogram"] = union_kept(pb, tb, t_c, groups).tolist()
+                    row["group_passed"] = ok.view(-1, groups).all(1).tolist()
+                out.append(row)
             prev_t = t_c
     return out
 
@@ -181,9 +219,18 @@ def summarize(rows: list[dict]) -> list[dict]:
         frac_c = sum(sum(r["kept_histogram"]) for r in rs) / sum(r["indexed"] * len(r["kept"]) for r in rs)
         frac_p = sum(sum(kp if p else kc for p, kp, kc in zip(r["passed"], r["kept"], r["kept_histogram"]))
                      for r in rs) / sum(r["indexed"] * len(r["kept"]) for r in rs)
-        table.append(dict(trace=trace, eps=eps, rule=rule, checks=len(passed), pass_rate=sum(passed) / len(passed),
-                          mean_kept_ratio_when_passed=sum(ratios) / max(len(ratios), 1),
-                          candidate_fraction_histogram=frac_c, candidate_fraction_one_pass=frac_p))
+        row = dict(trace=trace, eps=eps, rule=rule, checks=len(passed), pass_rate=sum(passed) / len(passed),
+                   mean_kept_ratio_when_passed=sum(ratios) / max(len(ratios), 1),
+                   candidate_fraction_histogram=frac_c, candidate_fraction_one_pass=frac_p)
+        if "union" in rs[0]:
+            # a failing group keeps its union at the level it was checked at (the step attends it
+            # again at a lower one: counted as a failure, not in the union)
+            cells = sum(r["indexed"] * len(r["union"]) for r in rs)
+            groups_passed = [p for r in rs for p in r["group_passed"]]
+            row.update(union_fraction=sum(sum(r["union"]) for r in rs) / cells,
+                       union_fraction_histogram=sum(sum(r["union_histogram"]) for r in rs) / cells,
+                       group_pass_rate=sum(groups_passed) / len(groups_passed))
+        table.append(row)
     return table
 
 
@@ -193,10 +240,12 @@ def main() -> None:
     parser.add_argument("--eps", type=float, nargs="+", default=[1e-3, 1e-2])
     parser.add_argument("--grid-bits", type=int, default=4)
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--union", action="store_true",
+                        help="also the GQA union of each group's candidates and per-group pass rates")
     parser.add_argument("--out", default="benchmarks/results/provisional_threshold.json")
     args = parser.parse_args()
     config = LouverConfig(page_size=args.page_size, grid_bits=args.grid_bits, policy="certified")
-    rows = [r for path in args.traces for eps in args.eps for r in measure(Path(path), eps, config)]
+    rows = [r for path in args.traces for eps in args.eps for r in measure(Path(path), eps, config, args.union)]
     table = summarize(rows)
     for row in table:
         print(json.dumps(row))
