@@ -24,10 +24,22 @@ def test_dense_variants_agree_with_dense_attention():
 
 
 def test_paired_timing_alternates_and_times_both():
-    """timeit_paired calls the two functions in alternation (AB, BA, ...) and returns both medians."""
+    """timeit_paired calls the two functions in alternation (AB, BA, ...) and returns both medians
+    and the median of the rounds' own ratios."""
     from benchmarks.cpu.decode_cpu import timeit_paired
 
     calls = []
-    base_ms, fn_ms = timeit_paired(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)
+    base_ms, fn_ms, ratio = timeit_paired(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)
     assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
-    assert base_ms >= 0 and fn_ms >= 0
+    assert base_ms >= 0 and fn_ms >= 0 and ratio >= 0
+
+
+def test_paired_ratio_is_the_median_of_the_rounds_ratios(monkeypatch):
+    """Drift between rounds moves the medians' ratio, not the rounds' own: base at 2, 4, 8, 3 ms
+    against fn's 1, 2, 4, 3 gives a paired ratio of 2 where the medians' ratio is 3.5 / 2.5."""
+    import benchmarks.cpu.decode_cpu as bench
+
+    monkeypatch.setattr(bench, "alternating_times", lambda fns, rounds, before=None: {
+        "base": [2.0, 4.0, 8.0, 3.0], "fn": [1.0, 2.0, 4.0, 3.0]})
+    base_ms, fn_ms, ratio = bench.timeit_paired(lambda: None, lambda: None, repeats=4)
+    assert (base_ms, fn_ms, ratio) == (3.5, 2.5, 2.0)

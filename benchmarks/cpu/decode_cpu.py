@@ -96,10 +96,10 @@ def timeit(fn, repeats: int, warmup: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
-def timeit_alternating(fns: dict, rounds: int, before=None) -> dict:
-    """Median wall time (ms) of each function of ``fns``, called in alternation (forward order on
-    even rounds, reverse on odd ones) so that drift of a noisy machine hits all alike; ``before()``
-    runs untimed before every call (a cache sweep, say)."""
+def alternating_times(fns: dict, rounds: int, before=None) -> dict:
+    """Wall times (ms) of each function of ``fns`` per round, called in alternation (forward order
+    on even rounds, reverse on odd ones) so that drift of a noisy machine hits all alike;
+    ``before()`` runs untimed before every call (a cache sweep, say)."""
     names = list(fns)
     times = {name: [] for name in names}
     for r in range(rounds):
@@ -108,19 +108,27 @@ def timeit_alternating(fns: dict, rounds: int, before=None) -> dict:
                 before()
             start = time.perf_counter()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return times
 
 
-def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int = 3) -> tuple[float, float]:
+def timeit_alternating(fns: dict, rounds: int, before=None) -> dict:
+    """Median wall time (ms) of each function of ``fns``, timed by ``alternating_times``."""
+    return {name: statistics.median(t) for name, t in alternating_times(fns, rounds, before).items()}
+
+
+def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int = 3) -> tuple[float, float, float]:
     """Median wall times (ms) of ``base()`` and ``fn()`` timed in alternation, so that drift of a
-    noisy machine hits both alike. Steps slower than ``slow_s`` get ``slow_repeats`` rounds."""
+    noisy machine hits both alike, and the median over rounds of base's time over fn's in the
+    same round (a ratio that drift slower than a round leaves alone). Steps slower than
+    ``slow_s`` get ``slow_repeats`` rounds."""
     base()
     start = time.perf_counter()
     fn()
     rounds = repeats if time.perf_counter() - start < slow_s else slow_repeats
-    ms = timeit_alternating({"base": base, "fn": fn}, rounds)
-    return ms["base"], ms["fn"]
+    times = alternating_times({"base": base, "fn": fn}, rounds)
+    ratio = statistics.median(b / max(f, 1e-9) for b, f in zip(times["base"], times["fn"]))
+    return statistics.median(times["base"]), statistics.median(times["fn"]), ratio
 
 
 def dense_variants(pb: PagedBatch, huge_pages: bool = False,
@@ -254,12 +262,14 @@ def run_case(batches: dict[int, PagedBatch], repeats: int, indexes: dict, huge_p
             # own cost is reported per batch (plan_ms)
             decode = LouverDecode(cfg, "cpu", launch=launch).plan(pb.page_table, pb.seq_lens)
             step = lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)
-            dense_ms, ms = timeit_paired(variants[best], step, repeats)
+            dense_ms, ms, paired = timeit_paired(variants[best], step, repeats)
             plan_ms = timeit(lambda: plan_decode(pb.page_table, pb.seq_lens, cfg), repeats)
             stats = step().stats
             n_idx = stats.num_indexed.sum().clamp(min=1)
             result["louver"].append({
                 "index": index_name, "policy": pol_name, "ms": ms, "dense_ms": dense_ms, "speedup": dense_ms / ms,
+                # the median of the rounds' own dense / louver ratios (each round times one of each)
+                "speedup_paired": paired,
                 "plan_ms": plan_ms,
                 "candidate_fraction": float(stats.candidates.sum() / (n_idx * pb.q.shape[1])),
                 "page_survival": float(stats.pages_read.sum() / stats.num_pages.sum().clamp(min=1)),
@@ -379,11 +389,12 @@ def markdown_table(results: dict) -> str:
 
 def print_table(results: dict) -> None:
     print(f"{'len':>6} {'layer':>5} {'B':>2} {'dense':>12} {'ms':>7} | {'index':18} {'policy':15} {'ms':>7} "
-          f"{'speedup':>7} {'cand':>6} {'pages':>6} {'bytes%':>6} {'fb':>2} {'recall':>6}")
+          f"{'speedup':>7} {'paired':>6} {'cand':>6} {'pages':>6} {'bytes%':>6} {'fb':>2} {'recall':>6}")
     for c in results["cases"]:
         for r in c["louver"]:
             print(f"{c['length']:6d} {c['layer']:5d} {c['batch']:2d} {c['best_dense']:>12} {r.get('dense_ms', c['best_dense_ms']):7.2f} | "
-                  f"{r['index']:18} {r['policy']:15} {r['ms']:7.2f} {r['speedup']:7.2f} {r['candidate_fraction']:6.3f} "
+                  f"{r['index']:18} {r['policy']:15} {r['ms']:7.2f} {r['speedup']:7.2f} "
+                  f"{r.get('speedup_paired', float('nan')):6.2f} {r['candidate_fraction']:6.3f} "
                   f"{r['page_survival']:6.3f} {100 * r['bytes_read'] / c['dense_bytes']:6.1f} "
                   f"{r['dense_fallbacks']:2d} {r['recall']:6.3f}")
 
