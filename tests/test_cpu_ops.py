@@ -245,7 +245,7 @@ def test_layer_step_is_fused_step_then_step_stats(q_dtype, given_out):
                              q32=torch.empty(len(LENS), 6, 64), **b.named())
     layer = OPS.LayerStep(k_cache=k, v_cache=v, **index, **policy, fallback_fraction=0.02, eps_budget=-1.0,
                           one_pass=False, rounding=0.0, a_posteriori=False, estimate_share=1.0, one_scan=False,
-                          reserve_offset=-1, fitted_level=0.0, **EDGES.kernel_args())
+                          reserve_offset=-1, **EDGES.kernel_args())
     out = torch.full((len(LENS), 6, 128), float("nan"), dtype=q_dtype)[..., :64] if given_out else None
     got_out, packed, got_any = layer.run(q, step_plan, out)
     assert got_out.dtype == q_dtype and (not given_out or got_out.data_ptr() == out.data_ptr())
@@ -272,7 +272,7 @@ def test_layer_step_rejects_a_query_that_does_not_fit_the_plan():
                           sigma=0.125, budget=0.1, t_fixed=0.0, value_gate=True, gate_rel=VALUE_GATE.rel, bits=4,
                           page_size=16, fallback_fraction=0.5, eps_budget=-1.0, rounding=0.0, one_pass=False,
                           a_posteriori=False, estimate_share=1.0, one_scan=False, reserve_offset=-1,
-                          residual_weights=False, fitted_level=0.0, **EDGES.kernel_args())
+                          residual_weights=False, **EDGES.kernel_args())
     with pytest.raises(ValueError, match="plan is for queries"):
         layer.run(q[:2], step_plan, None)
     with pytest.raises(ValueError, match="q must be a float CPU tensor"):

@@ -30,7 +30,7 @@ from louver_kernels.cpu_ops import DEFAULT_CACHE
 from louver_sgl import LouverConfig, PageIndexStore
 from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
-from louver_sgl.decode.impl_cpu import _Outputs, _step_plan, compiled_ops, layer_step_args, page_chunks
+from louver_sgl.decode.impl_cpu import _layer_step, _Outputs, _step_plan, compiled_ops, page_chunks
 
 from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit
 
@@ -70,7 +70,7 @@ class _Named:
 
 def baseline_step(ops, pb, store, config, plan, chunk_pages: int, launch: dict | None = None):
     """The baseline build's LayerStep.run on its own plan side (buffers of its own), through the
-    named boundary this tree's step has (``impl_cpu.layer_step_args`` / ``impl_cpu._step_plan``), with
+    named boundary this tree's step has (``impl_cpu._layer_step`` / ``impl_cpu._step_plan``), with
     the new step's kernel ``launch`` (``CpuDecode._kernel_launch``: one scan or two), so that both
     builds run the same passes."""
     chunks = page_chunks(plan, chunk_pages)
@@ -88,18 +88,8 @@ def baseline_step(ops, pb, store, config, plan, chunk_pages: int, launch: dict |
             if unknown is None or unknown[1] not in buffers:
                 raise
             buffers.pop(unknown[1])
-    args = layer_step_args(pb.k, pb.v, store, pb.sigma, config, launch)
-    while True:  # launch values added since the baseline are left out where they are off
-        try:
-            layer = ops.LayerStep(**args)
-            break
-        except ValueError as exc:
-            unknown = re.fullmatch(r"LayerStep: unknown argument '(\w+)'", str(exc))
-            if unknown is None or unknown[1] not in args or args[unknown[1]]:
-                raise
-            args.pop(unknown[1])
+    layer = _layer_step(ops, pb.k, pb.v, store, pb.sigma, config, launch)
     return lambda: layer.run(pb.q, step_plan, None)
-
 
 
 def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str,

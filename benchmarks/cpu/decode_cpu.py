@@ -62,12 +62,6 @@ POLICIES = {
                                                            "certified_passes": 1, "certified_rule": "a_posteriori",
                                                            "estimate_share": float(share)}
        for share in (1, 4, 6, 8) for eps in ("1e-2", "1e-3")},
-    # the same at share 4 with the compiled step's fitted first level (launch fitted_level c: design
-    # notes, "Certified a posteriori in one pass")
-    **{f"certified-{eps}-one-pass-a-posteriori-s4-fit{c}": {"policy": "certified", "eps": float(eps),
-                                                           "certified_passes": 1, "certified_rule": "a_posteriori",
-                                                           "estimate_share": 4.0, "launch": {"fitted_level": float(c)}}
-       for c in ("0.25", "0.5", "1") for eps in ("1e-2", "1e-3")},
     # the histogram rule with its two scans of the codes (the compiled step's launch one_scan=False;
     # the plain names above run it in one scan, design notes "Certified in one code pass")
     "certified-1e-2-two-scans": {"policy": "certified", "eps": 1e-2, "launch": {"one_scan": False}},

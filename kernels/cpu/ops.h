@@ -108,11 +108,7 @@ struct StepPlan {
 // histogram rule's pass also keeps every token reaching the safe level in the plan's reserve and
 // the attend pass reads that reserve at T instead of the codes, run_scan_pass; reserve_offset: its
 // level in edges from the safe level's, see CpuLaunch; residual_weights: the token bounds' residual
-// int8 weights, AttendArgs::residual; fitted_level (> 0, the one-pass rule a posteriori, a plan
-// with band buffers): the attend pass gates at the level the sample fits (fitted_levels) where it
-// is above the safe level at Z_est, keeps the tokens between the two in the reserve, and a head
-// whose check fails there takes the safe level at Z_est through a band pass over that reserve,
-// see CpuLaunch). run(q, plan, out) is
+// int8 weights, AttendArgs::residual). run(q, plan, out) is
 // fused_step (certified: with the threshold's pass), then the packed statistics (stats.h) and the
 // output in out (or a new tensor of q's dtype), in one call (attended, debug only: a u8 [NP, P, H_q]
 // buffer the attend pass fills with the keys it attended, see AttendArgs::attended): at batch 1 each Python-level op or
@@ -126,7 +122,7 @@ struct LayerStep {
                                                      std::optional<torch::Tensor> attended,
                                                      std::optional<torch::Tensor> share) const;
   torch::Tensor k_cache, v_cache, lo, scale, radius, codes;
-  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share, fitted_level;
+  double sigma, budget, t_fixed, gate_rel, fallback_fraction, eps_budget, rounding, estimate_share;
   bool value_gate, one_pass, a_posteriori, one_scan, residual_weights;
   int64_t bits, page_size, reserve_offset;
   louver_cpu::Edges edges;

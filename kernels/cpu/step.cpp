@@ -176,9 +176,9 @@ double attended_z(const StepPlan& p, int64_t i) {
 // The check of the one-pass rule a posteriori: a head whose dropped-mass bound at its provisional
 // level times (1 + rounding) fits eps_budget·Z_att (Z_att = max(Z_lb, Z_dense + the exact mass of
 // the attend pass's union candidates, masses[..., 2]) is certified there with that product; a head
-// where it does not (or is NaN) is lowered to the safe level at Z_att (or stays at its level
-// where that is lower), where every dropped unit's bound is below T, so the mass dropped is below
-// n·e^{σ(T − ref)} ≤ eps_budget·Z_att: its certificate (0 where T = −inf). Returns per request whether some head was lowered; marks the
+// where it does not (or is NaN) is lowered to the safe level at Z_att, where every dropped unit's
+// bound is below T, so the mass dropped is below n·e^{σ(T − ref)} ≤ eps_budget·Z_att: its
+// certificate (0 where T = −inf). Returns per request whether some head was lowered; marks the
 // lowered heads in lowered [B·H_q].
 std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget, double rounding,
                                    uint8_t* lowered) {
@@ -195,90 +195,8 @@ std::vector<uint8_t> lower_to_safe(StepPlan& p, double sigma, double eps_budget,
       const double z_att = attended_z(p, i);
       cert[i] = masses[3 * i] * (1.0 + rounding);
       if (cert[i] <= eps_budget * z_att) continue;  // certified at the provisional level
-      // never above its level: the safe level at Z_att lies below the level whose dropped mass
-      // failed, except after a fitted level's band (its certificate is the fitted level's), where
-      // the lower of the two keeps every key the passes attended
-      const float safe = safe_level(ref[i], z_att, n_idx[b], sigma, eps_budget, rounding);
-      t[i] = std::isnan(t[i]) ? safe : std::min(t[i], safe);
+      t[i] = safe_level(ref[i], z_att, n_idx[b], sigma, eps_budget, rounding);
       cert[i] = t[i] == -INFINITY ? 0.0 : eps_budget * z_att;
-      band[b] = 1, lowered[i] = 1;
-    }
-  return band;
-}
-
-// The fitted first levels of the one-pass rule a posteriori (LayerStep::fitted_level = c > 0): per
-// (request, head) p.t is raised from its safe level at Z_est to the level x below which the
-// sample's estimated dropped mass (n/M)·Σ_{s_i < x} e^{σ(s_i − ref)} fits c·eps_budget·(Z_dense +
-// (n/M)·Σ_{s_i ≥ x} e^{σ(s_i − ref)}), the check's own denominator Z_att as the sample sees it,
-// where that is higher. With S the sample's scaled total, the condition is below(x) ≤ L =
-// c·eps_budget·(Z_dense + S) / (1 + c·eps_budget); x is bisected between the sample's extremes (the
-// step runs it for every head, so no sort). Only an estimate, never part of a certificate: the
-// attend pass's check decides. Returns the levels before (the safe levels at Z_est), down to which
-// the pass keeps its reserve. Heads without samples or with a non-finite reference, level or score
-// keep their level.
-std::vector<float> fitted_levels(StepPlan& p, double sigma, double eps_budget, double share) {
-  const int64_t B = p.q32.size(0), H = p.q32.size(1), M = p.sample.size(1);
-  const float *sample = p.sample.data_ptr<float>(), *ref = p.ref.data_ptr<float>();
-  const double* z = p.z.data_ptr<double>();
-  const int64_t* n_idx = p.num_indexed.data_ptr<int64_t>();
-  std::vector<int64_t> samples(B, 0);
-  const int64_t* sr = p.sample_req.data_ptr<int64_t>();
-  for (int64_t i = 0; i < p.sample_req.size(0); ++i) ++samples[sr[i]];
-  float* t = p.t.data_ptr<float>();
-  std::vector<float> before(t, t + B * H), s, mass;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = b * H + h, m = samples[b];
-      if (m == 0 || !std::isfinite(ref[i]) || !std::isfinite(t[i])) continue;
-      s.resize(m), mass.resize(m);
-      float low = INFINITY, high = -INFINITY;
-      double total = 0.0;
-      bool finite = true;
-      for (int64_t j = 0; j < m; ++j) {
-        const float x = sample[(b * M + j) * H + h];
-        finite &= std::isfinite(x);
-        s[j] = x, mass[j] = std::exp(static_cast<float>(sigma) * (x - ref[i]));
-        low = std::min(low, x), high = std::max(high, x);
-        total += mass[j];
-      }
-      if (!finite) continue;
-      const double scale = double(n_idx[b]) / double(m), budget = share * eps_budget;
-      const double limit = budget * (z[2 * i] + total * scale) / (1.0 + budget) / scale;  // in sample masses
-      const auto below = [&](float x) {
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < m; ++j) sum += s[j] < x ? mass[j] : 0.f;
-        return double(sum);
-      };
-      if (below(high) <= limit) {  // every sample but the top ones fits: the top score
-        t[i] = std::max(t[i], high);
-        continue;
-      }
-      for (int it = 0; it < 12; ++it) {  // below(low) fits, below(high) does not
-        const float mid = low + 0.5f * (high - low);
-        (below(mid) <= limit ? low : high) = mid;
-      }
-      t[i] = std::max(t[i], low);
-    }
-  return before;
-}
-
-// The check of a fitted first level: a head whose dropped-mass bound times (1 + rounding) does not
-// fit eps_budget·Z_att and whose level was raised above its safe level at Z_est (``before``) goes
-// back to that level, whose tokens above it the pass kept in its reserve (the band). Its
-// certificate is still to be checked against the Z_att the band adds to (lower_to_safe). Returns
-// per request whether some head went back; marks those heads in lowered [B·H_q].
-std::vector<uint8_t> back_to_reserve_level(StepPlan& p, const std::vector<float>& before, double eps_budget,
-                                           double rounding, uint8_t* lowered) {
-  const int64_t B = p.q32.size(0), H = p.q32.size(1);
-  const double* masses = p.masses.data_ptr<double>();
-  float* t = p.t.data_ptr<float>();
-  std::vector<uint8_t> band(B, 0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t i = b * H + h;
-      if (!(before[i] < t[i]) || masses[3 * i] * (1.0 + rounding) <= eps_budget * attended_z(p, i)) continue;
-      t[i] = before[i];
       band[b] = 1, lowered[i] = 1;
     }
   return band;
@@ -488,7 +406,7 @@ LayerStep::LayerStep(Named& n)
       radius(n.tensor("radius")), codes(n.tensor("codes")), sigma(n.real("sigma")), budget(n.real("budget")),
       t_fixed(n.real("t_fixed")), gate_rel(n.real("gate_rel")), fallback_fraction(n.real("fallback_fraction")),
       eps_budget(n.real("eps_budget")), rounding(n.real("rounding")), estimate_share(n.real("estimate_share")),
-      fitted_level(n.real("fitted_level")), value_gate(n.flag("value_gate")), one_pass(n.flag("one_pass")), a_posteriori(n.flag("a_posteriori")),
+      value_gate(n.flag("value_gate")), one_pass(n.flag("one_pass")), a_posteriori(n.flag("a_posteriori")),
       one_scan(n.flag("one_scan")), residual_weights(n.flag("residual_weights")),
       bits(n.integer("bits")), page_size(n.integer("page_size")), reserve_offset(n.integer("reserve_offset")),
       edges(Edges::read(n)) {
@@ -496,7 +414,6 @@ LayerStep::LayerStep(Named& n)
   TORCH_CHECK(eps_budget < 0 || (budget < 0 && !value_gate), "LayerStep: a certified step has no budget or value gate");
   TORCH_CHECK(!a_posteriori || (eps_budget >= 0 && estimate_share > 0),
               "LayerStep: a_posteriori is a certified rule with a positive estimate_share");
-  TORCH_CHECK(std::isfinite(fitted_level) && fitted_level >= 0, "LayerStep: fitted_level must be finite and >= 0");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && codes.device().is_cpu(),
               "LayerStep: the KV caches and the index must be CPU tensors");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.size(0) == v_cache.size(0) &&
@@ -583,37 +500,9 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
       provisional_levels(p, z_est.data(), sigma, eps_budget, rounding);
       AttendArgs first = a;
       first.tight_dropped = true;  // the check needs each dropped token's own bound mass
-      std::vector<float> reserve_to;  // fitted: the safe levels at Z_est, the reserve's floor
-      if (fitted_level > 0) {
-        TORCH_CHECK(p.band_m.numel() > 0, "louver step: a fitted first level needs a plan with band buffers");
-        reserve_to = fitted_levels(p, sigma, eps_budget, fitted_level);
-        first.t_reserve = reserve_to.data(), first.page_bound_out = p.band_pb.data_ptr<float>();
-        first.page_mag = p.band_mag.data_ptr<float>();
-        first.reserve_slot = p.reserve_slot.data_ptr<int64_t>(), first.reserve_pos = p.reserve_pos.data_ptr<int64_t>();
-        first.reserve_bound = p.reserve_bound.data_ptr<float>(), first.reserve_count = p.reserve_count.data_ptr<int64_t>();
-      }
       if (attended.has_value()) attended->zero_();
       run_with(first, kAttend);
       chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-      if (fitted_level > 0) {
-        // a head whose fitted level fails its check goes back to the safe level at Z_est: the
-        // band attends its reserve's tokens from there (no code read again, no key scored twice),
-        // and its certificate, the dropped mass at the fitted level (a superset of what the lower
-        // level drops), is then checked against the larger Z_att below
-        const torch::Tensor t_first = p.t.clone();
-        const std::vector<uint8_t> band = back_to_reserve_level(p, reserve_to, eps_budget, rounding, lowered.data());
-        if (std::find(band.begin(), band.end(), 1) != band.end()) {
-          AttendArgs ab = first;
-          ab.t_reserve = nullptr, ab.page_bound_out = nullptr, ab.band = true, ab.band_req = band.data();
-          ab.m_out = p.band_m.data_ptr<float>(), ab.l_out = p.band_l.data_ptr<float>();
-          ab.o_out = p.band_o.data_ptr<float>(), ab.counts = p.band_counts.data_ptr<int64_t>();
-          ab.mass = p.band_mass.data_ptr<double>();
-          run_with(ab, kAttend);
-          combine_band(p);
-          chunk_totals_into(p.counts, p.mass, p.chunk_req, p.per_head, p.per_req, p.masses);
-          unskipped = unskipped_pages(p, t_first);
-        }
-      }
       const std::vector<uint8_t> again_req = lower_to_safe(p, sigma, eps_budget, rounding, lowered.data());
       if (std::find(again_req.begin(), again_req.end(), 1) != again_req.end()) {
         // the KV groups with a lowered head attend again at their final levels (a superset of the
@@ -627,9 +516,6 @@ std::tuple<torch::Tensor, torch::Tensor, bool> LayerStep::run(const torch::Tenso
         AttendArgs again = a;
         again.only_req = again_req.data(), again.only_kv = again_kv.data();
         run_with(again, kAttend);
-        if (!unskipped.empty())  // those groups' counts are the new pass's, at their final levels
-          for (int64_t i = 0; i < B * H; ++i)
-            if (again_kv[(i / H) * h_kv + (i % H) / G]) unskipped[i] = 0;
       }
       return run_with(a, kMerge);
     }

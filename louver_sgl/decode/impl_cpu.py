@@ -17,7 +17,6 @@ reference_compiled.py, impl_torch.py or threshold.py.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -58,22 +57,12 @@ class CpuLaunch:
       is speed: on the 2-core AMD EPYC (AVX-512) the second dot cost more than the keys it saved
       (docs/benchmarks.md, "Certified in one scan and residual weights"), so it is off by default
       and a profile knob.
-    fitted_level: the one-pass rule a posteriori's first level from the sample (0: off). Above
-      the safe level at Z_est, the attend pass gates at the highest sample score whose estimated
-      dropped mass fits ``fitted_level``·ε times the check's own denominator as the sample sees
-      it (Z_dense plus the sample's scaled mass above the level), keeps the tokens between the
-      two levels in a reserve, and a head whose check fails there takes the safe level at Z_est
-      through a band pass over that reserve (no code read again, no key scored twice); a head
-      that still fails is lowered to the safe level at Z_att as without it. A speed knob: every
-      step is certified by its check whatever the level (design notes, "Certified a posteriori
-      in one pass").
     """
 
     chunk_pages: int = 64
     one_scan: bool = True
     reserve_offset: int = -1
     residual_weights: bool = False
-    fitted_level: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
@@ -84,9 +73,6 @@ class CpuLaunch:
         if isinstance(self.reserve_offset, bool) or not isinstance(self.reserve_offset, int) \
                 or not -256 <= self.reserve_offset <= 256:
             raise ValueError(f"reserve_offset must be an int in [-256, 256], got {self.reserve_offset!r}")
-        if isinstance(self.fitted_level, bool) or not isinstance(self.fitted_level, (int, float)) \
-                or not math.isfinite(self.fitted_level) or self.fitted_level < 0:
-            raise ValueError(f"fitted_level must be a finite number >= 0, got {self.fitted_level!r}")
 
     @classmethod
     def of(cls, launch: "CpuLaunch | Mapping[str, Any] | None") -> "CpuLaunch":
@@ -94,7 +80,7 @@ class CpuLaunch:
             return cls()
         if isinstance(launch, cls):
             return launch
-        known = {"chunk_pages", "one_scan", "reserve_offset", "residual_weights", "fitted_level"}
+        known = {"chunk_pages", "one_scan", "reserve_offset", "residual_weights"}
         unknown = sorted(set(launch) - known)
         if unknown:
             raise ValueError(f"unknown CPU launch parameters {unknown}; known: {sorted(known)}")
@@ -187,8 +173,7 @@ class CpuDecode(DecodeImplementation):
     def _kernel_launch(self) -> dict:
         """The launch values the compiled ``LayerStep`` takes (``_layer_step``)."""
         return dict(one_scan=self._one_scan, reserve_offset=self.launch.reserve_offset,
-                    residual_weights=self.launch.residual_weights,
-                    fitted_level=float(self.launch.fitted_level) if self._fitted else 0.0)
+                    residual_weights=self.launch.residual_weights)
 
     @property
     def _one_scan(self) -> bool:
@@ -197,20 +182,9 @@ class CpuDecode(DecodeImplementation):
         return (self.launch.one_scan and self.config.grid_bits == 8 and policy.certified and not policy.one_pass
                 and not policy.a_posteriori)
 
-    @property
-    def _fitted(self) -> bool:
-        """Whether this step's one-pass rule a posteriori gates at the fitted level (CpuLaunch.fitted_level)."""
-        policy = self.config.threshold
-        return self.launch.fitted_level > 0 and policy.certified and policy.one_pass and policy.a_posteriori
-
-    @property
-    def _reserve(self) -> bool:
-        """Whether the plan carries the band buffers and the reserve (StepPlan)."""
-        return self.config.threshold.band_pass or self._one_scan or self._fitted
-
     def _plan_key(self, heads: int, h_kv: int, dim: int, d_v: int) -> tuple:
         return ("cpu_step", self.launch.chunk_pages, torch.get_num_threads(), heads, h_kv, dim, d_v,
-                self.config.sample_size, self._reserve)
+                self.config.sample_size, self.config.threshold.band_pass or self._one_scan)
 
     def _plan_side(self, plan: DecodePlan, heads: int, h_kv: int, dim: int, d_v: int):
         """The plan side ``(part, q32, ops.StepPlan)`` for these shapes, made once per plan."""
@@ -218,7 +192,8 @@ class CpuDecode(DecodeImplementation):
 
         def make():
             chunks = page_chunks(plan, self.launch.chunk_pages)
-            band = (len(plan.page_ids), plan.page_size) if self._reserve else None
+            reserve = self.config.threshold.band_pass or self._one_scan
+            band = (len(plan.page_ids), plan.page_size) if reserve else None
             part = _Outputs(plan.batch_size, heads, h_kv, d_v, len(chunks[0]), len(plan.dense_slots),
                             self.config.sample_size, band=band)
             return _step_plan(self.ops, plan, chunks, part, dim)
@@ -261,19 +236,13 @@ GUIDED_SHARE = 2
 def _layer_step(ops, k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
                 launch: dict | None = None):
     """The compiled ``LayerStep`` of ``config``'s policy over a layer's caches and index; ``launch``:
-    its ``one_scan``, ``reserve_offset``, ``residual_weights`` and ``fitted_level``
-    (``CpuDecode._kernel_launch``; default: two scans, no residual weights, no fitted level)."""
-    return ops.LayerStep(**layer_step_args(k_cache, v_cache, store, sigma, config, launch))
-
-
-def layer_step_args(k_cache, v_cache, store: PageIndexStore, sigma: float, config: LouverConfig,
-                    launch: dict | None = None) -> dict:
-    """The named arguments of ``_layer_step``'s ``LayerStep``."""
-    launch = {"one_scan": False, "reserve_offset": -1, "residual_weights": False, "fitted_level": 0.0, **(launch or {})}
+    its ``one_scan``, ``reserve_offset`` and ``residual_weights`` (``CpuDecode._kernel_launch``;
+    default: two scans, no residual weights)."""
+    launch = {"one_scan": False, "reserve_offset": -1, "residual_weights": False, **(launch or {})}
     policy = config.threshold
     t_static = policy.static_threshold
     meta = store.tensors
-    return dict(
+    return ops.LayerStep(
         k_cache=k_cache, v_cache=v_cache, lo=meta["lo"], scale=meta["scale"], radius=meta["radius"],
         codes=meta["codes"], sigma=float(sigma), budget=policy.kernel_budget(),
         t_fixed=0.0 if t_static is None else t_static, value_gate=policy.gates_values, gate_rel=VALUE_GATE.rel,
