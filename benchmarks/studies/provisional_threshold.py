@@ -52,7 +52,7 @@ from benchmarks.record import write_result
 MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
 SAMPLE_SHARES = (0.05, 0.1, 0.25, 0.5)
 EST_SHARES = (1.0, 3.0, 4.0)  # the a-posteriori rule's estimate_share values (4: the AMD profiles')
-ATT_EST_SHARES = (3.0, 4.0)  # att-est floors: the shipped level at the default share and the profiles' 4
+ATT_EST_SHARES = (3.0, 4.0)  # att-est floors (of EST_SHARES): the shipped level at the default share and the profiles' 4
 ATT_SHARES = (0.1, 0.25, 0.5)
 
 
@@ -86,6 +86,12 @@ def head_inputs(keys: torch.Tensor, q: torch.Tensor, store: PageIndexStore, conf
     return pb, tb, ref, z_lb, sample_scores, z_dense, z_lb - z_dense, exact
 
 
+def kept_mask(pb, tb, t):
+    """[NP, P, H] bool: the indexed tokens each head keeps at per-head thresholds t [H] (its page
+    reaches t and so does its token bound)."""
+    return ~(pb < t)[:, None, :] & ~(tb < t)
+
+
 def dropped_and_kept(pb, tb, ref, t, sigma):
     """(D(T) [H] fp64, indexed candidates kept [H]) at per-head thresholds t [H]."""
     size = tb.shape[1]
@@ -94,8 +100,7 @@ def dropped_and_kept(pb, tb, ref, t, sigma):
     x_tok = th.log_mass(tb, ref, sigma)
     drop_tok = ~skip[:, None, :] & (tb < t)
     d = (size * torch.exp(x_page.clamp(max=700)) * skip).sum(0) + (torch.exp(x_tok.clamp(max=700)) * drop_tok).sum((0, 1))
-    kept = (~skip[:, None, :] & ~(tb < t)).sum((0, 1))
-    return d, kept
+    return d, kept_mask(pb, tb, t).sum((0, 1))
 
 
 def sample_level(tb, ref, z_lb, sigma, eps_budget, share, sample_size, values=None):
@@ -127,13 +132,13 @@ def attended_level(ref, z_dense, sample_scores, n_indexed, sigma, eps_budget, sh
 
 def union_kept(pb, tb, t, groups: int):
     """GQA-union candidates [H_kv] at per-head thresholds t [H]: the rows some head of the group keeps."""
-    keep = ~(pb < t)[:, None, :] & ~(tb < t)  # [NP, P, H]
+    keep = kept_mask(pb, tb, t)
     return keep.view(*keep.shape[:2], -1, groups).any(-1).sum((0, 1))
 
 
 def attended_mass(pb, tb, exact, ref, t, sigma):
     """The exact mass [H] fp64 of the indexed keys each head keeps at t (its part of Z_att)."""
-    keep = ~(pb < t)[:, None, :] & ~(tb < t)
+    keep = kept_mask(pb, tb, t)
     return (torch.exp(th.log_mass(exact, ref, sigma).double().clamp(max=700)) * keep).sum((0, 1))
 
 
@@ -184,11 +189,12 @@ def measure(path: Path, eps: float, config: LouverConfig, union: bool = False) -
                     est = sample_level(tb, ref, z_est, sigma, eps_budget, share, config.sample_size, sample_scores)
                     rules[f"sample-scores-est{est_share:g}-{share:g}-zatt"] = torch.maximum(est, safe)
             for est_share in ATT_EST_SHARES:
-                z_est = torch.maximum(z_lb, est_share * (z_dense + z_sample * n_idx / m))
-                floor = torch.maximum(safe_level(ref, z_est, n_idx, sigma, eps_budget, th.HIST_ROUNDING), safe)
+                floor = rules[f"safe-est-{est_share:g}-zatt"]
                 for share in ATT_SHARES:
                     level = attended_level(ref, z_dense, sample_scores, n_idx, sigma, eps_budget, share)
                     rules[f"att-est{est_share:g}-{share:g}-zatt"] = torch.maximum(level, floor)
+            groups = queries.shape[1] // k.shape[1]
+            union_c = union_kept(pb, tb, t_c, groups).tolist() if union else None
             for rule, t_p in rules.items():
                 d_p, kept_p = dropped_and_kept(pb, tb, ref, t_p, sigma)
                 z = z_lb
@@ -199,9 +205,8 @@ def measure(path: Path, eps: float, config: LouverConfig, union: bool = False) -
                            passed=ok.tolist(), kept=kept_p.tolist(), kept_histogram=kept_c.tolist(),
                            indexed=n_idx)
                 if union:
-                    groups = len(ok) // k.shape[1]
                     row["union"] = union_kept(pb, tb, t_p, groups).tolist()
-                    row["union_histogram"] = union_kept(pb, tb, t_c, groups).tolist()
+                    row["union_histogram"] = union_c
                     row["group_passed"] = ok.view(-1, groups).all(1).tolist()
                 out.append(row)
             prev_t = t_c
