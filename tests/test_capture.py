@@ -108,3 +108,44 @@ def test_random_token_traces_are_seeded_and_hold_the_model_attention(tmp_path):
     trace = load_trace(path)
     assert trace["meta"]["text"] == RANDOM_TEXT
     assert_dense_matches_model(trace)  # fp32 storage: to 1e-3
+
+
+def test_needle_traces_end_with_the_demos_question_and_answer(tmp_path):
+    """``--text niah``: the main demo's needle prompt cut to fit, its answer last; the trace's length
+    is the prompt's own, and it reproduces the model's attention as the text traces do."""
+    from transformers import AutoTokenizer
+
+    from louver_eval.data.capture import NIAH_TEXT, niah_tokens
+    from louver_eval.niah import ANSWER
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    ids = niah_tokens(tokenizer, LENGTH, TEXT_DIR)
+    assert LENGTH - 8 <= len(ids) <= LENGTH
+    assert tokenizer.decode(ids[-NUM_QUERIES:]).endswith(ANSWER)
+    assert "secret passphrase" in tokenizer.decode(ids)
+    path = tmp_path / f"{NIAH_TEXT}_{LENGTH}.pt"
+    capture_trace(MODEL_DIR, NIAH_TEXT, LENGTH, LAYERS, NUM_QUERIES, path, TEXT_DIR, chunk_size=CHUNK,
+                  kv_dtype=torch.float32)
+    trace = load_trace(path)
+    n = len(ids)
+    assert trace["meta"]["length"] == n and trace["query_positions"].tolist() == list(range(n - NUM_QUERIES, n))
+    assert trace["keys"][LAYERS[0]].shape[0] == n
+    assert_dense_matches_model(trace)
+
+
+def test_rope_context_stretches_past_the_trace_length(tmp_path):
+    """``rope_context``: YaRN to that context whatever the trace's length (the main command's server
+    stretches to 32K), named apart from the unstretched trace; the attention still matches."""
+    from louver_eval.data.capture import trace_path
+
+    assert trace_path(tmp_path, "bible", LENGTH).name == f"bible_{LENGTH}.pt"
+    assert trace_path(tmp_path, "bible", LENGTH, LENGTH).name == f"bible_{LENGTH}.pt"
+    assert trace_path(tmp_path, "bible", LENGTH, 32768).name == f"bible_{LENGTH}_yarn32768.pt"
+    path = trace_path(tmp_path, "bible", LENGTH, 32768)
+    capture_trace(MODEL_DIR, "bible", LENGTH, LAYERS, NUM_QUERIES, path, TEXT_DIR, chunk_size=CHUNK,
+                  kv_dtype=torch.float32, rope_context=32768)
+    trace = load_trace(path)
+    rope = trace["meta"]["rope_scaling"]
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 32768 / 8192
+    assert trace["meta"]["rope_attention_factor"] > 1.0
+    assert_dense_matches_model(trace)

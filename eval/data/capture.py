@@ -23,6 +23,10 @@ Usage::
 
     python -m louver_eval.data.capture --model models/smollm2-135m --text bible \\
         --lengths 2048 8192 --layers 3 9 15 21 27 --num-queries 16 --out data/traces
+
+``--text random`` captures uniformly random token ids, ``--text niah`` the main demo's request (its
+needle prompt over the essays, then the answer); ``--rope-context N`` stretches RoPE to N tokens
+instead of each length, as the main command's server does (YaRN to 32K whatever the prompt).
 """
 
 from __future__ import annotations
@@ -126,6 +130,27 @@ def check_rope(model, rope: dict[str, Any] | None) -> None:
 RANDOM_TEXT = "random"
 
 
+# Not a text either: the main demo's request (eval/demo_client.py), a needle-in-a-haystack prompt over
+# the Paul Graham essays with its question after the document, followed by the answer the model is
+# asked for, so that the recorded queries are the question's last tokens and the answer's.
+NIAH_TEXT = "niah"
+
+
+def niah_tokens(tokenizer, length: int, text_dir: Path = DEFAULT_TEXT_DIR) -> torch.Tensor:
+    """At most ``length`` token ids of the demo's needle prompt (needle at depth 0.5) and its
+    answer: the haystack is cut until the chat-formatted prompt and the answer fit ``length``."""
+    from louver_eval.niah import ANSWER, build_prompt
+
+    haystack, budget = load_text("paul_graham", text_dir), length
+    for _ in range(8):
+        prompt = build_prompt(tokenizer, haystack, budget, 0.5)
+        ids = tokenizer(prompt.text + ANSWER, add_special_tokens=False)["input_ids"]
+        if len(ids) <= length:
+            return torch.tensor(ids)
+        budget -= len(ids) - length
+    raise ValueError(f"the needle prompt does not fit {length} tokens")
+
+
 def random_tokens(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
     """``length`` uniformly random token ids in [0, vocab_size) as a LongTensor."""
     return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
@@ -190,22 +215,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], num_queries: int,
                   out_path: Path, text_dir: Path = DEFAULT_TEXT_DIR, chunk_size: int = CHUNK_SIZE,
-                  kv_dtype: torch.dtype = torch.float16) -> Path:
+                  kv_dtype: torch.dtype = torch.float16, rope_context: int | None = None) -> Path:
     """Run the model over the first ``length`` tokens of ``text`` and save the trace to ``out_path``.
 
     ``kv_dtype`` is the storage dtype of keys and values (fp16 halves the files; fp32 is exact).
+    ``rope_context``: the context YaRN stretches RoPE to (default ``length``; scripts/run.sh's
+    server stretches it to 32768 whatever the prompt's length, which sharpens attention).
     """
     from transformers import AutoTokenizer
 
     if not 0 < num_queries < length:
         raise ValueError(f"num_queries must be in [1, {length - 1}], got {num_queries}")
     recorder = AttentionRecorder(layers, num_queries, kv_dtype)
-    model, rope = load_model(model_dir, length, recorder)
+    model, rope = load_model(model_dir, rope_context or length, recorder)
     bad = [l for l in layers if not 0 <= l < model.config.num_hidden_layers]
     if bad:
         raise ValueError(f"layers {bad} out of range for {model.config.num_hidden_layers} layers")
     if text == RANDOM_TEXT:
         ids = random_tokens(model.config.vocab_size, length)
+    elif text == NIAH_TEXT:
+        ids = niah_tokens(AutoTokenizer.from_pretrained(model_dir), length, text_dir)
+        length = len(ids)  # the prompt's own length, a few tokens short of the request at most
     else:
         ids = first_tokens(AutoTokenizer.from_pretrained(model_dir), load_text(text, text_dir), length)
     start = time.perf_counter()
@@ -228,20 +258,22 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def trace_path(out_dir: Path, text: str, length: int) -> Path:
-    """Where the trace of the first ``length`` tokens of ``text`` lives."""
-    return Path(out_dir) / f"{text}_{length}.pt"
+def trace_path(out_dir: Path, text: str, length: int, rope_context: int | None = None) -> Path:
+    """Where the trace of the first ``length`` tokens of ``text`` lives (``rope_context``: the
+    context RoPE was stretched to, when not ``length``)."""
+    stretch = f"_yarn{rope_context}" if rope_context and rope_context != length else ""
+    return Path(out_dir) / f"{text}_{length}{stretch}.pt"
 
 
 def ensure_traces(lengths: list[int], layers: list[int] = DEFAULT_LAYERS, text: str = "bible",
                   num_queries: int = 16, out_dir: str | Path = DEFAULT_OUT,
                   model_dir: str | Path = DEFAULT_MODEL_DIR, text_dir: str | Path = DEFAULT_TEXT_DIR,
-                  force: bool = False) -> list[Path]:
+                  force: bool = False, rope_context: int | None = None) -> list[Path]:
     """Return the trace paths for ``lengths``, fetching model/texts and capturing only what is missing.
 
     An existing file is reused as is: it is not checked against ``layers`` or ``num_queries``.
     """
-    paths = [trace_path(Path(out_dir), text, n) for n in lengths]
+    paths = [trace_path(Path(out_dir), text, n, rope_context) for n in lengths]
     missing = [(n, p) for n, p in zip(lengths, paths) if force or not p.exists()]
     for n, path in zip(lengths, paths):
         if (n, path) not in missing:
@@ -249,24 +281,31 @@ def ensure_traces(lengths: list[int], layers: list[int] = DEFAULT_LAYERS, text: 
     if missing:
         model_dir = ensure_model(model_dir)
         for n, path in missing:
-            capture_trace(Path(model_dir), text, n, list(layers), num_queries, path, Path(text_dir))
+            capture_trace(Path(model_dir), text, n, list(layers), num_queries, path, Path(text_dir),
+                          rope_context=rope_context)
     return paths
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--text", choices=(*TEXT_NAMES, RANDOM_TEXT), default="bible",
-                        help=f"{RANDOM_TEXT!r}: uniformly random token ids (flat attention)")
+    parser.add_argument("--text", choices=(*TEXT_NAMES, RANDOM_TEXT, NIAH_TEXT), default="bible",
+                        help=f"{RANDOM_TEXT!r}: uniformly random token ids (flat attention); {NIAH_TEXT!r}: the "
+                             "main demo's needle prompt over the essays and its answer")
     parser.add_argument("--texts-dir", type=Path, default=DEFAULT_TEXT_DIR)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS))
     parser.add_argument("--num-queries", type=int, default=16)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--force", action="store_true", help="recapture existing files")
+    parser.add_argument("--rope-context", type=int, default=None,
+                        help="the context YaRN stretches RoPE to (default: each length; 32768 as the main "
+                             "command's server, scripts/run.sh)")
     args = parser.parse_args()
+    if args.rope_context is not None and args.rope_context < max(args.lengths):
+        parser.error(f"--rope-context {args.rope_context} is shorter than the longest length {max(args.lengths)}")
     for path in ensure_traces(args.lengths, args.layers, args.text, args.num_queries, args.out,
-                              args.model, args.texts_dir, args.force):
+                              args.model, args.texts_dir, args.force, args.rope_context):
         print(f"[capture] {path}: {path.stat().st_size / 2**20:.1f} MiB")
 
 
