@@ -165,3 +165,29 @@ def test_chunked_prefill_counts_its_own_chunks_as_built_not_reused(tmp_path):
     assert not tel.prefill_counted
     tel.count_prefill("long", built=3, prefix=250)
     assert tel.requests["long"].pages_reused == 260
+
+
+def test_statistics_file_counts_lowered_steps_per_layer(tmp_path, monkeypatch):
+    """With a statistics file, each layer's sparse request-steps with a lowered head are counted
+    under that layer (summed over flushes of the pending rows; rows given no layer under -1), and
+    the per-layer counts add up to the totals' lowered steps."""
+    monkeypatch.setattr(telemetry, "PENDING_LIMIT", 4)
+    path = tmp_path / "stats.json"
+    tel = Telemetry(interval=0, stats_file=str(path))
+    steps = [(_stats(seed), seed % 3) for seed in range(9)] + [(_stats(9), None)]
+    for stats, layer in steps:
+        tel.record_step(stats, ["a", "b"], layer)
+    tel.end_decode_forward()
+    data = json.loads(path.read_text())
+    expected: dict[str, int] = {}
+    for stats, layer in steps:
+        for r in range(2):
+            if bool(stats.lowered[r].any()) and not bool(stats.dense_fallback[r]) and int(stats.num_indexed[r]):
+                key = str(-1 if layer is None else layer)
+                expected[key] = expected.get(key, 0) + 1
+    assert expected and data["lowered_steps_by_layer"] == expected
+    assert sum(expected.values()) == data["lowered_steps"]
+    quiet = Telemetry(interval=0)  # without a file: no per-layer count (its host reads are skipped)
+    for stats, layer in steps:
+        quiet.record_step(stats, ["a", "b"], layer)
+    assert quiet.snapshot()["totals"]["lowered_steps"] == data["lowered_steps"] and quiet.lowered_by_layer == {}

@@ -150,7 +150,7 @@ class CpuDecodePath(DecodePath):
                     control.update(keys, result.stats.lowered, result.stats.mass_bound)
                 if rows is not None:
                     out3[rows] = result.out
-                state.telemetry.record_step(result.stats, group.rids)
+                state.telemetry.record_step(result.stats, group.rids, layer_id)
         step_end = time.perf_counter()
         if self.serving.step_timing:
             self._time_step(start, step_start, step_end)

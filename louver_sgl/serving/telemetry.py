@@ -169,6 +169,10 @@ class Telemetry:
     window: Counts = field(default_factory=Counts)
     pending: list = field(default_factory=list)  # StepStats recorded but not yet summed
     pending_rids: list = field(default_factory=list)  # the request id of each pending row
+    pending_layers: list = field(default_factory=list)  # the layer of each pending row (-1: not given)
+    # layer -> sparse request-steps whose check lowered a head, over the process (statistics file
+    # only: where in the model the a-posteriori rule's first level fails)
+    lowered_by_layer: dict = field(default_factory=dict)
     requests: OrderedDict = field(default_factory=OrderedDict)  # rid -> RequestAccount
     # rid -> pages of that request's prompt already counted (reused or built) by its earlier
     # prefill chunks: their pages are the request's own, not reuse; dropped at its first decode
@@ -181,12 +185,14 @@ class Telemetry:
     profile: str | None = None  # the startup line saying which tuned profile applied and why
     _metrics: dict | None = None
 
-    def record_step(self, stats, rids: list[str] | None = None) -> None:
+    def record_step(self, stats, rids: list[str] | None = None, layer: int | None = None) -> None:
         """Add one layer's ``StepStats`` (``rids``: the batch's request ids, for the per-request
-        accounts of the statistics file). They are kept and summed when the window is read (or
+        accounts of the statistics file; ``layer``: its layer id, for the per-layer count of
+        lowered steps there). They are kept and summed when the window is read (or
         PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
         attention has swept the caches each costs microseconds on the decode path."""
         self.pending.append(stats)
+        self.pending_layers.extend([-1 if layer is None else layer] * stats.candidates.shape[0])
         if self.prefill_counted and rids is not None:
             for rid in rids:  # prefill done: a later request under the same id starts afresh
                 self.prefill_counted.pop(rid, None)
@@ -212,8 +218,21 @@ class Telemetry:
         for rid, index in by_rid.items():
             pick = torch.tensor(index)
             self.account(rid).steps.add(SimpleNamespace(**{f: getattr(rows, f)[pick] for f in SUMMED}))
+        if self.stats_file:
+            self._count_lowered_by_layer(rows)
         self.pending.clear()
         self.pending_rids.clear()
+        self.pending_layers.clear()
+
+    def _count_lowered_by_layer(self, rows) -> None:
+        """The pending rows' lowered sparse steps into ``lowered_by_layer`` (rows of no layer: -1)."""
+        sparse = (rows.num_indexed.cpu() != 0) & ~rows.dense_fallback.cpu()
+        lowered = rows.lowered.cpu().any(1) & sparse
+        if not bool(lowered.any()):
+            return
+        layers = torch.tensor(self.pending_layers)[lowered]
+        for layer, n in zip(*torch.unique(layers, return_counts=True)):
+            self.lowered_by_layer[int(layer)] = self.lowered_by_layer.get(int(layer), 0) + int(n)
 
     def account(self, rid: str) -> "RequestAccount":
         """The account of request ``rid`` (created, and the oldest beyond REQUEST_LIMIT dropped);
@@ -281,7 +300,8 @@ class Telemetry:
                 "pages_built": self.pages_built,
                 "pages_reused": self.pages_reused, "pages_rebuilt_on_read": self.pages_rebuilt_on_read,
                 "mixed_policy_forwards": self.mixed_policy_forwards, **self.timing,
-                "requests": {rid: acc.as_dict() for rid, acc in self.requests.items()}}
+                "requests": {rid: acc.as_dict() for rid, acc in self.requests.items()},
+                "lowered_steps_by_layer": {str(k): v for k, v in sorted(self.lowered_by_layer.items())}}
         if self.index_allocated is not None:
             data["index_allocated"] = self.index_allocated()
         if self.profile is not None:
