@@ -141,6 +141,9 @@ def test_rope_context_stretches_past_the_trace_length(tmp_path):
     assert trace_path(tmp_path, "bible", LENGTH).name == f"bible_{LENGTH}.pt"
     assert trace_path(tmp_path, "bible", LENGTH, LENGTH).name == f"bible_{LENGTH}.pt"
     assert trace_path(tmp_path, "bible", LENGTH, 32768).name == f"bible_{LENGTH}_yarn32768.pt"
+    with pytest.raises(ValueError, match="shorter than the trace"):
+        capture_trace(MODEL_DIR, "bible", LENGTH, LAYERS, NUM_QUERIES, tmp_path / "short.pt", TEXT_DIR,
+                      rope_context=LENGTH - 1)
     path = trace_path(tmp_path, "bible", LENGTH, 32768)
     capture_trace(MODEL_DIR, "bible", LENGTH, LAYERS, NUM_QUERIES, path, TEXT_DIR, chunk_size=CHUNK,
                   kv_dtype=torch.float32, rope_context=32768)

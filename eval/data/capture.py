@@ -226,6 +226,8 @@ def capture_trace(model_dir: Path, text: str, length: int, layers: list[int], nu
 
     if not 0 < num_queries < length:
         raise ValueError(f"num_queries must be in [1, {length - 1}], got {num_queries}")
+    if rope_context is not None and rope_context < length:
+        raise ValueError(f"rope_context {rope_context} is shorter than the trace's {length} tokens")
     recorder = AttentionRecorder(layers, num_queries, kv_dtype)
     model, rope = load_model(model_dir, rope_context or length, recorder)
     bad = [l for l in layers if not 0 <= l < model.config.num_hidden_layers]
