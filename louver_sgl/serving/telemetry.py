@@ -59,7 +59,7 @@ class Counts:
         heads = stats.candidates.shape[1]
         fallback = stats.dense_fallback.cpu()
         short = stats.num_indexed.cpu() == 0
-        sparse = ~short & ~fallback
+        sparse = sparse_rows(stats)
         self.sparse_steps += int(sparse.sum())
         self.dense_short_steps += int(short.sum())
         self.dense_fallback_steps += int((fallback & ~short).sum())
@@ -70,7 +70,7 @@ class Counts:
         self.indexed_pages += float(stats.num_pages.cpu()[sparse].sum()) * heads
         self.pages_skipped += float(stats.pages_skipped.cpu()[sparse].sum())
         self.mass_bound_max = max(self.mass_bound_max, float(stats.mass_bound.cpu()[sparse].max()))
-        self.lowered_steps += int((stats.lowered.cpu().any(1) & sparse).sum())
+        self.lowered_steps += int(lowered_rows(stats, sparse).sum())
 
     def merge(self, other: "Counts") -> None:
         for f in dataclasses.fields(self):
@@ -89,6 +89,17 @@ class Counts:
             "mass_bound_max": self.mass_bound_max if sparse else None,
             "lowered_step_fraction": self.lowered_steps / self.sparse_steps if sparse else None,
         }
+
+
+def sparse_rows(stats) -> torch.Tensor:
+    """[B] bool on the host: the requests whose step took the sparse path (an indexed page and no
+    dense fallback)."""
+    return (stats.num_indexed.cpu() != 0) & ~stats.dense_fallback.cpu()
+
+
+def lowered_rows(stats, sparse: torch.Tensor) -> torch.Tensor:
+    """[B] bool on the host: the sparse requests (``sparse_rows``) whose check lowered a head."""
+    return stats.lowered.cpu().any(1) & sparse
 
 
 COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(Counts))
@@ -226,8 +237,7 @@ class Telemetry:
 
     def _count_lowered_by_layer(self, rows) -> None:
         """The pending rows' lowered sparse steps into ``lowered_by_layer`` (rows of no layer: -1)."""
-        sparse = (rows.num_indexed.cpu() != 0) & ~rows.dense_fallback.cpu()
-        lowered = rows.lowered.cpu().any(1) & sparse
+        lowered = lowered_rows(rows, sparse_rows(rows))
         if not bool(lowered.any()):
             return
         layers = torch.tensor(self.pending_layers)[lowered]
