@@ -85,6 +85,9 @@ def main() -> None:
     print(f"best fixed share per row: cost {mean([min(fixed(r, s, whole)[1] for s in r['shares']) for r in rows]):.3f}")
     rules = [(start, 16.0, after, below, down) for start in (3.0, 4.0) for after in (8, RAISE_AFTER)
              for below in (None, RAISE_BELOW) for down in (2.0, STEP)]
+    # the shipped raise and fall with a lower ceiling; top = start: down after a failure, back up
+    # to the start (never above it)
+    rules += [(start, top, RAISE_AFTER, RAISE_BELOW, STEP) for start in (3.0, 4.0) for top in (start, 2 * start)]
     for start, top, after, below, down in rules:
         outcomes = [replay(r, start, top, after, below, down, whole) for r in rows]
         shipped = (after, below, down) == (RAISE_AFTER, RAISE_BELOW, STEP)
