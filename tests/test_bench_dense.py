@@ -39,7 +39,21 @@ def test_paired_ratio_is_the_median_of_the_rounds_ratios(monkeypatch):
     against fn's 1, 2, 4, 3 gives a paired ratio of 2 where the medians' ratio is 3.5 / 2.5."""
     import benchmarks.cpu.decode_cpu as bench
 
-    monkeypatch.setattr(bench, "alternating_times", lambda fns, rounds, before=None: {
+    monkeypatch.setattr(bench, "alternating_times", lambda fns, rounds, before=None, **kw: {
         "base": [2.0, 4.0, 8.0, 3.0], "fn": [1.0, 2.0, 4.0, 3.0]})
     base_ms, fn_ms, ratio = bench.timeit_paired(lambda: None, lambda: None, repeats=4)
     assert (base_ms, fn_ms, ratio) == (3.5, 2.5, 2.0)
+
+
+def test_alternating_times_shuffled_with_warmup_rounds():
+    """Shuffled rounds call every function once per round, time only the rounds after the warm-up
+    ones, and run ``before`` ahead of every call, warm-up included."""
+    from benchmarks.cpu.decode_cpu import alternating_times
+
+    calls, befores = [], []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = alternating_times(fns, 5, before=lambda: befores.append(len(calls)), shuffle=True, warmup_rounds=2)
+    assert {name: len(t) for name, t in times.items()} == {"a": 5, "b": 5, "c": 5}
+    assert len(calls) == 21 and len(befores) == 21
+    assert all(sorted(calls[3 * r: 3 * r + 3]) == ["a", "b", "c"] for r in range(7))
+    assert len({tuple(calls[3 * r: 3 * r + 3]) for r in range(7)}) > 1  # the order changes between rounds

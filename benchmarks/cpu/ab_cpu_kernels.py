@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from louver_eval.data.paged import load_trace, paged_batch
 from louver_sgl.decode import LouverDecode
 from louver_sgl.decode.impl_cpu import _layer_step, _Outputs, _step_plan, compiled_ops, page_chunks
 
-from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit
+from benchmarks.cpu.decode_cpu import INDEXES, dense_variants, timeit, timeit_alternating
 
 POLICIES = {"budget-0.05": dict(policy="budget", budget=0.05),
             "budget-0.001": dict(policy="budget", budget=0.001),  # the scan alone (decode_cpu's floor)
@@ -97,7 +94,7 @@ def baseline_step(ops, pb, store, config, plan, chunk_pages: int, launch: dict |
 def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str,
              policies=DEFAULT_POLICIES, cold: bool = False) -> list[dict]:
     """Every policy's row of one layer and batch; ``cold``: each timed call follows an untimed
-    call of the dense path (``alternating_medians``' ``before``)."""
+    call of the dense path."""
     base = INDEXES[index]
     pb = paged_batch(trace, layer, batch, LouverConfig(**base).page_size, huge_pages=True)
     variants = dense_variants(pb, True)
@@ -117,7 +114,12 @@ def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str,
                "new": lambda: compiled.layer.run(pb.q, side[2], None),
                "new_wrapper": lambda: decode.run(pb.q, pb.k, pb.v, store, pb.sigma, stats=True)}
         equal = torch.equal(fns["old"]()[0], fns["new"]()[0])
-        ms = alternating_medians(fns, rounds, before=variants[best] if cold else None)
+        # a new random order every round: a fixed or reversed one keeps one build next to the dense
+        # path (which evicts the caches); cold: every call follows the dense path, so that every
+        # build reads its codes from memory as in a server, where the other layers' reads come
+        # between a layer's steps (without it a build often follows the other build or the wrapper,
+        # which read the same codes)
+        ms = timeit_alternating(fns, rounds, before=variants[best] if cold else None, shuffle=True, warmup_rounds=2)
         rows.append({"layer": layer, "batch": batch, "index": index, "policy": name, "dense": best,
                      **{f"{k}_ms": v for k, v in ms.items()}, "old_over_new": ms["old"] / ms["new"],
                      "wrapper_overhead_ms": ms["new_wrapper"] - ms["new"], "outputs_equal": equal, "cold": cold,
@@ -125,27 +127,6 @@ def run_case(trace, layer: int, batch: int, old_ops, rounds: int, index: str,
                      "lowered_requests": int(fns["new_wrapper"]().stats.lowered.any(1).sum())})
         print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def alternating_medians(fns: dict, rounds: int, before=None) -> dict:
-    """Median ms of each function, called in alternation, in a new random order every round: a
-    fixed or reversed order keeps one build next to the dense path (which evicts the caches).
-    ``before``: called untimed before every timed call. Without it a build often follows the
-    other build or the wrapper, which read the same codes, and runs warm; after the dense path
-    (25 MB of K and V at 32K) every call reads its codes from memory, as in a server, where the
-    other layers' reads come between a layer's steps."""
-    names = list(fns)
-    times = {n: [] for n in names}
-    gen = random.Random(0)
-    for r in range(rounds + 2):  # two warm-up rounds
-        for n in gen.sample(names, len(names)):
-            if before is not None:
-                before()
-            start = time.perf_counter()
-            fns[n]()
-            if r >= 2:
-                times[n].append(1e3 * (time.perf_counter() - start))
-    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def main() -> None:

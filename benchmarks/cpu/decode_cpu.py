@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from datetime import date
@@ -99,25 +100,31 @@ def timeit(fn, repeats: int, warmup: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
-def alternating_times(fns: dict, rounds: int, before=None) -> dict:
-    """Wall times (ms) of each function of ``fns`` per round, called in alternation (forward order
-    on even rounds, reverse on odd ones) so that drift of a noisy machine hits all alike;
-    ``before()`` runs untimed before every call (a cache sweep, say)."""
+def alternating_times(fns: dict, rounds: int, before=None, shuffle: bool = False, warmup_rounds: int = 0) -> dict:
+    """Wall times (ms) of each function of ``fns`` per round, called in alternation so that drift
+    of a noisy machine hits all alike: forward order on even rounds and reverse on odd ones, or
+    (``shuffle``) a new random order every round, seeded, where a fixed or reversed order would
+    keep one function next to another that evicts or warms its caches. ``before()`` runs untimed
+    before every call (a cache sweep, or the dense path); ``warmup_rounds`` go untimed first."""
     names = list(fns)
     times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+    gen = random.Random(0)
+    for r in range(warmup_rounds + rounds):
+        order = gen.sample(names, len(names)) if shuffle else names if r % 2 == 0 else names[::-1]
+        for name in order:
             if before is not None:
                 before()
             start = time.perf_counter()
             fns[name]()
-            times[name].append(1e3 * (time.perf_counter() - start))
+            if r >= warmup_rounds:
+                times[name].append(1e3 * (time.perf_counter() - start))
     return times
 
 
-def timeit_alternating(fns: dict, rounds: int, before=None) -> dict:
+def timeit_alternating(fns: dict, rounds: int, before=None, shuffle: bool = False, warmup_rounds: int = 0) -> dict:
     """Median wall time (ms) of each function of ``fns``, timed by ``alternating_times``."""
-    return {name: statistics.median(t) for name, t in alternating_times(fns, rounds, before).items()}
+    times = alternating_times(fns, rounds, before, shuffle, warmup_rounds)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def timeit_paired(base, fn, repeats: int, slow_s: float = 0.1, slow_repeats: int = 3) -> tuple[float, float, float]:
