@@ -128,6 +128,29 @@ def test_a_study_under_another_policy_becomes_a_section_of_the_device_profile():
     assert merge_tuned(None, budget)[0] is budget
 
 
+def test_a_re_tune_keeps_the_hand_set_main_values():
+    """A value set by hand (recorded in measured.hand_set) survives a re-tune of the main values
+    that did not search it; one the study searched takes the study's value and leaves the record."""
+    from louver_sgl.profiles.format import merge_tuned
+
+    record = {"estimate_share_max": 8.0, "chunk_pages": 32, "why": "measured by hand", "date": "2026-12-07"}
+    existing = Profile.from_dict(profile_dict(config={"page_size": 32, "estimate_share_max": 8.0},
+                                              launch={"chunk_pages": 32, "num_threads": 1},
+                                              measured={"hand_set": record}))
+    params = {"page_size": 64, "chunk_pages": 16}
+    tuned = Profile.from_dict(profile_dict(config={"page_size": 64}, launch={"chunk_pages": 16, "num_threads": 2},
+                                           measured={"tuned": {"params": params}}))
+    merged, done = merge_tuned(existing, tuned)
+    assert merged.config == {"page_size": 64, "estimate_share_max": 8.0}
+    assert merged.launch == {"chunk_pages": 16, "num_threads": 2}
+    assert merged.measured["hand_set"] == {"estimate_share_max": 8.0, "why": "measured by hand", "date": "2026-12-07"}
+    assert merged.measured["tuned"] == {"params": params}
+    assert "hand-set ['estimate_share_max'] kept" in done and "['chunk_pages'] dropped" in done
+    # nothing set by hand: the study's profile as it is
+    plain, done = merge_tuned(Profile.from_dict(profile_dict()), tuned)
+    assert plain.config == tuned.config and "hand_set" not in plain.measured and "hand-set" not in done
+
+
 def test_a_sections_certified_only_knobs_apply_to_certified_servers_only(tmp_path):
     """How a certified step finds T is not a budget study's to set: a budget section's values of
     those knobs never apply, and a budget study exported as a section leaves them out."""

@@ -250,8 +250,40 @@ def merge_tuned(existing: Profile | None, tuned: Profile) -> tuple[Profile, str]
         return merged, (f"added as its {policy!r} section (its main values were tuned under "
                         f"{existing.shapes_policy!r} and stay)")
     kept = {k: v for k, v in existing.policies.items() if k != policy}
-    return dataclasses.replace(tuned, policies=kept), (
-        f"main values replaced (tuned under {policy!r} again)" + (f"; sections {sorted(kept)} kept" if kept else ""))
+    tuned, carried, dropped = carry_hand_set(existing, tuned)
+    done = f"main values replaced (tuned under {policy!r} again)" + (f"; sections {sorted(kept)} kept" if kept else "")
+    if carried:
+        done += f"; hand-set {carried} kept (measured.hand_set)"
+    if dropped:
+        done += f"; hand-set {dropped} dropped (this study searched them)"
+    return dataclasses.replace(tuned, policies=kept), done
+
+
+# measured.hand_set: values set by hand in a tuned profile's main config or launch, each a key of
+# that record, beside the record's own words (why, date, command). louver-tune does not search
+# them, so a re-tune of the main values keeps them (carry_hand_set).
+HAND_SET_NOTES = ("why", "date", "command")
+
+
+def carry_hand_set(existing: Profile, tuned: Profile) -> tuple[Profile, list[str], list[str]]:
+    """``tuned`` (the same device, shapes and policy as ``existing``) with ``existing``'s hand-set
+    main values (``measured.hand_set``) and their record carried over, except the keys ``tuned``'s
+    study searched (``measured.tuned.params``): there the study's value stands and the key leaves
+    the record. Returns the profile and the keys carried and dropped."""
+    record = dict(existing.measured.get("hand_set") or {})
+    keys = [k for k in record if k not in HAND_SET_NOTES]
+    if not keys:
+        return tuned, [], []
+    searched = set((tuned.measured.get("tuned") or {}).get("params") or {})
+    carried = [k for k in keys if k not in searched]
+    dropped = [k for k in keys if k in searched]
+    config_fields = {f.name for f in dataclasses.fields(LouverConfig)}
+    config = {**tuned.config, **{k: existing.config[k] for k in carried if k in config_fields and k in existing.config}}
+    launch = {**tuned.launch, **{k: existing.launch[k] for k in carried if k not in config_fields and k in existing.launch}}
+    measured = dict(tuned.measured)
+    if carried:
+        measured["hand_set"] = {k: v for k, v in record.items() if k not in dropped}
+    return dataclasses.replace(tuned, config=config, launch=launch, measured=measured), carried, dropped
 
 
 def _shapes(data: Mapping[str, Any], where: str) -> Shapes:
