@@ -313,6 +313,47 @@ def test_dropped_mass_exp_bounds_every_input_from_above():
     assert high <= 1.0083
 
 
+def _setup_rows(gen, rows, dim, dtype, case):
+    """Codebook rows (lo, scale, radius) [rows, dim] of ``dtype`` for page_setup's check."""
+    lo = torch.randn(rows, dim, generator=gen) * 2
+    scale = torch.rand(rows, dim, generator=gen) * 0.05
+    radius = torch.rand(rows, dim, generator=gen) * 1e-3
+    if case == "wide":  # every magnitude from subnormal to near overflow once multiplied by q
+        lo = lo * torch.exp2(torch.randint(-140, 100, (rows, dim), generator=gen).float())
+        scale = scale * torch.exp2(torch.randint(-140, 100, (rows, dim), generator=gen).float())
+    elif case == "inf":  # a few non-finite codebook entries
+        flat = scale.view(-1)
+        flat[torch.randint(0, flat.numel(), (5,), generator=gen)] = float("inf")
+        lo.view(-1)[torch.randint(0, flat.numel(), (5,), generator=gen)] = float("nan")
+    elif case == "zero":  # pages whose scale is zero in every channel (all weights 0)
+        scale[::3] = 0
+    return tuple(x.to(dtype).contiguous() for x in (lo, scale, radius))
+
+
+@pytest.mark.parametrize("dim,groups", [(64, 3), (128, 8), (16, 1), (48, 4)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["normal", "wide", "inf", "zero"])
+def test_page_setup_in_one_pass_equals_its_three_steps(dim, groups, bits, dtype, case):
+    """The attend pass opens each page with page_setup (the codebook, the page terms and the int8
+    weights in one pass per head): its page bounds, offsets, magnitudes, steps and weights must be
+    those of load_codebook, page_terms and quantize_weights bit for bit, since the certified pass
+    computes them the same way and the token bounds must round alike in both."""
+    gen = torch.Generator().manual_seed(dim * 131 + groups * 7 + bits)
+    q = torch.randn(groups, dim, generator=gen) * 3
+    if case == "wide":
+        q = q * torch.exp2(torch.randint(-30, 30, (groups, dim), generator=gen).float())
+    elif case == "inf":
+        q[0, 1] = float("nan")
+    elif case == "zero":
+        q[-1] = 0
+    lo, scale, radius = _setup_rows(gen, 96, dim, dtype, case)
+    differ = OPS.page_setup_mismatches(q=q.contiguous(), lo=lo, scale=scale, radius=radius, bits=bits)
+    if differ == -1:
+        pytest.skip("this build opens pages in three steps (no AVX-512, or the AVX2 lane-group rule)")
+    assert differ == 0
+
+
 def test_exact_part_rejects_a_narrow_sample_buffer():
     q, k, _, plan, _ = _batch(torch.float32, sample_size=40)
     with pytest.raises(RuntimeError, match="sample buffer"):

@@ -160,14 +160,22 @@ struct ChunkRunner {
   }
 
   // Page bounds of page row i; if some head of the group keeps the page, its token weights are
-  // quantised and the page is open for scanning. Returns whether it is open.
+  // quantised and the page is open for scanning. Returns whether it is open. (page_setup quantises
+  // every head's weights with the page bounds, kept or not: pages are rarely skipped, and its one
+  // pass costs a quarter less than the three steps it replaces.)
   bool open_page(int64_t i) {
     if (skip) return open = false;
     const int64_t G = a.groups, D = a.dim, meta = (a.page_ids[i] * a.h_kv + k) * D;
     page_row = i;
-    load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
-    page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
-               off.data(), pb.data(), page_mag.data());
+    const bool fused = !residual && page_setup_fits(D, a.bits);  // the int8 weights of every head, at once
+    if (fused) {
+      page_setup(a.q + head0 * D, lo + meta, sc + meta, rad + meta, G, D, a.bits, off.data(), pb.data(),
+                 page_mag.data(), wq.data(), step.data());
+    } else {
+      load_codebook(lo + meta, sc + meta, rad + meta, D, book.data());
+      page_terms(a.q + head0 * D, book.data(), book.data() + D, book.data() + 2 * D, G, D, a.bits, w.data(),
+                 off.data(), pb.data(), page_mag.data());
+    }
     open = false;
     for (int64_t g = 0; g < G; ++g) {
       keep_page[g] = !(pb[g] < a.t[head0 + g]);  // NaN keeps
@@ -184,7 +192,7 @@ struct ChunkRunner {
     grow_magnitude();
     if (a.page_mag) std::copy(page_mag.begin(), page_mag.end(), a.page_mag + i * a.h_q + k * G);
     for (int64_t g = 0; g < G; ++g) {
-      if (keep_page[g] || keep_res[g])
+      if (!fused && (keep_page[g] || keep_res[g]))
         off[g] += residual ? quantize_weights_residual(w.data() + g * D, D, a.bits, wq.data() + g * D,
                                                        wq.data() + (G + g) * D, &step[g], &step2[g], resid.data())
                            : quantize_weights(w.data() + g * D, D, a.bits, wq.data() + g * D, &step[g]);

@@ -104,3 +104,56 @@ std::tuple<int64_t, double> weight_rule_of_build(int64_t bits) {
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "int8_weight_rule: bits must be 2, 4 or 8");
   return {kInt8WeightLimit, int8_group_limit(bits)};
 }
+
+namespace {
+
+bool same_or_both_nan(float x, float y) { return to_bits(x) == to_bits(y) || (std::isnan(x) && std::isnan(y)); }
+
+template <typename M>
+int64_t page_setup_rows(const float* q, const M* lo, const M* sc, const M* rad, int64_t rows, int64_t G, int64_t D,
+                        int64_t bits) {
+  std::vector<float> book(3 * D), w(G * D), off(G), pb(G), mag(G), step(G), off2(G), pb2(G), mag2(G), step2(G);
+  std::vector<int8_t> wq(G * D), wq2(G * D);
+  int64_t differ = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const M *l = lo + r * D, *s = sc + r * D, *a = rad + r * D;
+    load_codebook(l, s, a, D, book.data());
+    page_terms(q, book.data(), book.data() + D, book.data() + 2 * D, G, D, bits, w.data(), off.data(), pb.data(),
+               mag.data());
+    for (int64_t g = 0; g < G; ++g) off[g] += quantize_weights(w.data() + g * D, D, bits, wq.data() + g * D, &step[g]);
+    page_setup(q, l, s, a, G, D, bits, off2.data(), pb2.data(), mag2.data(), wq2.data(), step2.data());
+    bool same = true;
+    for (int64_t g = 0; g < G; ++g) {
+      same &= same_or_both_nan(off[g], off2[g]) && same_or_both_nan(pb[g], pb2[g]) && same_or_both_nan(mag[g], mag2[g]);
+      // a NaN off makes every token bound NaN (kept), whatever the weights
+      if (!std::isnan(off[g]))
+        same &= to_bits(step[g]) == to_bits(step2[g]) && std::equal(wq.begin() + g * D, wq.begin() + (g + 1) * D,
+                                                                    wq2.begin() + g * D);
+    }
+    differ += !same;
+  }
+  return differ;
+}
+
+}  // namespace
+
+// The pages (rows of lo, scale, radius [rows, D]) on which page_setup's off, pb, mag, step and
+// int8 weights for queries q [G, D] (fp32) differ from load_codebook, page_terms and
+// quantize_weights' bit for bit (NaN: both NaN; the weights only where off is not NaN). −1 where
+// this build does not use page_setup for D and ``bits``.
+int64_t page_setup_mismatches(const torch::Tensor& q, const torch::Tensor& lo, const torch::Tensor& scale,
+                              const torch::Tensor& radius, int64_t bits) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "page_setup_mismatches: q [G, D] fp32");
+  const int64_t G = q.size(0), D = q.size(1);
+  for (const auto* x : {&lo, &scale, &radius})
+    TORCH_CHECK(x->dim() == 2 && x->size(1) == D && x->size(0) == lo.size(0) && x->is_contiguous() &&
+                    x->scalar_type() == lo.scalar_type(),
+                "page_setup_mismatches: lo, scale, radius [rows, D] contiguous, of one dtype");
+  if (!page_setup_fits(D, bits)) return -1;
+  int64_t differ = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lo.scalar_type(), "page_setup_mismatches", [&] {
+    differ = page_setup_rows(q.data_ptr<float>(), lo.data_ptr<scalar_t>(), scale.data_ptr<scalar_t>(),
+                             radius.data_ptr<scalar_t>(), lo.size(0), G, D, bits);
+  });
+  return differ;
+}

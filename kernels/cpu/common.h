@@ -368,6 +368,101 @@ inline float quantize_weights(const float* w, int64_t D, int64_t bits, int8_t* w
   return levels * (err * (1.f + 1.52587890625e-05f) + mag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
 }
 
+#if defined(__AVX512F__)
+// load_codebook, page_terms and quantize_weights of one page and KV head in one pass per head, for
+// D = 16·NV (NV <= 8) and no lane-group rule (int8_group_limit(bits) == 0: AVX-512 VNNI builds):
+// the codebook rows are read once into registers for all G heads, and each head's weights w stay
+// in registers from its page terms to their int8 form (the three calls stored and re-read them,
+// took max |w| in a pass of its own, and were a quarter of a warm scan). The same fp32 operations
+// in the same order as the three calls, so off (with quantize_weights' err added), pb, mag, step and
+// wq are theirs bit for bit; a head with a NaN or infinite weight gets wq 0, step 0 and off NaN
+// (quantize_weights' err is NaN there too; its tokens are then kept).
+template <int NV, typename M>
+inline void page_setup16(const float* qk, const M* lo, const M* sc, const M* rad, int64_t G, int64_t bits,
+                         float* off, float* pb, float* mag_out, int8_t* wq, float* step) {
+  static_assert(NV >= 1 && NV <= 8, "16 to 128 channels");
+  constexpr int64_t D = 16 * NV;
+  const float levels = static_cast<float>(1 << bits), codes_top = static_cast<float>((1 << bits) - 1);
+  const __m512 half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(levels - 0.5f), lev = _mm512_set1_ps(levels);
+  const __m512 lim = _mm512_set1_ps(static_cast<float>(kInt8WeightLimit)), zero = _mm512_setzero_ps();
+  __m512 l[NV], s[NV], r[NV];
+  for (int i = 0; i < NV; ++i) {
+    l[i] = load16_ps(lo + 16 * i);
+    s[i] = load16_ps(sc + 16 * i);
+    r[i] = load16_ps(rad + 16 * i);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qk + g * D;
+    __m512 w[NV], o = zero, page = zero, radius = zero, mag = zero, wmax = zero;
+    __mmask16 bad = 0;  // lanes with a NaN or infinite weight
+    for (int i = 0; i < NV; ++i) {
+      const __m512 q = _mm512_loadu_ps(qg + 16 * i), qa = _mm512_abs_ps(q);
+      w[i] = _mm512_mul_ps(q, s[i]);
+      const __m512 low = _mm512_mul_ps(q, _mm512_fmadd_ps(half, s[i], l[i]));
+      const __m512 high = _mm512_mul_ps(q, _mm512_fmadd_ps(top, s[i], l[i]));
+      o = _mm512_add_ps(o, low);
+      page = _mm512_add_ps(page, _mm512_max_ps(low, high));
+      radius = _mm512_fmadd_ps(qa, r[i], radius);
+      mag = _mm512_fmadd_ps(qa, _mm512_add_ps(_mm512_fmadd_ps(lev, _mm512_abs_ps(s[i]), _mm512_abs_ps(l[i])), r[i]), mag);
+      const __m512 wa = _mm512_abs_ps(w[i]);
+      wmax = _mm512_max_ps(wa, wmax);
+      bad |= _mm512_cmp_ps_mask(wa, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);  // NaN or ±inf
+    }
+    const float rsum = _mm512_reduce_add_ps(radius), msum = _mm512_reduce_add_ps(mag);
+    if (mag_out) mag_out[g] = msum;
+    const float slack = dot_slack(msum, 2 * D + 2);
+    off[g] = _mm512_reduce_add_ps(o) + rsum + slack;
+    pb[g] = _mm512_reduce_add_ps(page) + rsum + slack;
+    int8_t* wg = wq + g * D;
+    if (bad) {
+      std::fill(wg, wg + D, 0);
+      step[g] = 0.f;
+      off[g] += NAN;
+      continue;
+    }
+    const float t = _mm512_reduce_max_ps(wmax);
+    const float sg = t > 0.f ? t / static_cast<float>(kInt8WeightLimit) : 1.f;
+    const __m512 vs = _mm512_set1_ps(sg), vinv = _mm512_set1_ps(1.f / sg);
+    __m512 verr = zero, vmag = zero;
+    for (int i = 0; i < NV; ++i) {
+      __m512 x = _mm512_roundscale_ps(_mm512_mul_ps(w[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      x = _mm512_max_ps(_mm512_sub_ps(zero, lim), _mm512_min_ps(lim, x));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wg + 16 * i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+      const __m512 sr = _mm512_mul_ps(vs, x);
+      verr = _mm512_add_ps(verr, _mm512_max_ps(_mm512_sub_ps(w[i], sr), zero));
+      vmag = _mm512_add_ps(vmag, _mm512_abs_ps(sr));
+    }
+    const float err = _mm512_reduce_add_ps(verr), wmag = _mm512_reduce_add_ps(vmag);
+    step[g] = sg;
+    off[g] += codes_top * (err * (1.f + 1.52587890625e-05f) + wmag * 9.5367431640625e-07f) + std::ldexp(1.0f, -126);
+  }
+}
+
+// Whether page_setup serves D channels of ``bits``-bit codes (callers add: without residual weights).
+inline bool page_setup_fits(int64_t D, int64_t bits) { return D % 16 == 0 && D <= 128 && int8_group_limit(bits) == 0.f; }
+
+// page_setup16 for a run-time D (page_setup_fits).
+template <typename M>
+inline void page_setup(const float* qk, const M* lo, const M* sc, const M* rad, int64_t G, int64_t D, int64_t bits,
+                       float* off, float* pb, float* mag_out, int8_t* wq, float* step) {
+  switch (D / 16) {
+    case 1: return page_setup16<1>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 2: return page_setup16<2>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 3: return page_setup16<3>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 4: return page_setup16<4>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 5: return page_setup16<5>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 6: return page_setup16<6>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    case 7: return page_setup16<7>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+    default: return page_setup16<8>(qk, lo, sc, rad, G, bits, off, pb, mag_out, wq, step);
+  }
+}
+#else
+inline bool page_setup_fits(int64_t, int64_t) { return false; }
+template <typename M>  // never called: page_setup_fits is false without AVX-512
+inline void page_setup(const float*, const M*, const M*, const M*, int64_t, int64_t, int64_t, float*, float*, float*,
+                       int8_t*, float*) {}
+#endif
+
 // Residual int8 weights: w_d ≈ step·wq_d + step2·wq2_d, wq2 the int8 form of the fp32 residual r =
 // w − step·wq (quantize_weights' step of r, about step / 250), so that for every code vector c in
 // [0, 2^bits − 1]^D, Σ_d w_d·c_d <= step·Σ wq_d·c_d + step2·Σ wq2_d·c_d + err. err is

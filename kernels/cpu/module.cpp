@@ -37,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("lo"), pybind11::arg("hi"));
   m.def("exp_up_ratio", &exp_up_ratio, "Smallest and largest ratio of the dropped masses' exp to e^x over a range (check)",
         pybind11::arg("lo"), pybind11::arg("hi"));
+  m.def("page_setup_mismatches", &page_setup_mismatches,
+        "Pages where the one-pass page setup differs from the codebook load, page terms and int8 weights "
+        "(check; -1: not used by this build)",
+        pybind11::arg("q"), pybind11::arg("lo"), pybind11::arg("scale"), pybind11::arg("radius"), pybind11::arg("bits"));
   pybind11::class_<StepPlan>(m, "StepPlan", pybind11::module_local(), "The plan side of the one-call step (see ops.h)")
       .def(pybind11::init([](const pybind11::kwargs& kwargs) {
         Named args(kwargs, "StepPlan");

@@ -19,6 +19,8 @@ void fused_step(louver_cpu::Named& args);
 std::tuple<double, double> exp_ps16_error(double lo, double hi);
 std::tuple<double, double> exp_up_ratio(double lo, double hi);
 std::tuple<int64_t, double> weight_rule_of_build(int64_t bits);
+int64_t page_setup_mismatches(const torch::Tensor& q, const torch::Tensor& lo, const torch::Tensor& scale,
+                              const torch::Tensor& radius, int64_t bits);
 
 namespace louver_cpu {
 

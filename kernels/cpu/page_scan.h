@@ -111,16 +111,26 @@ struct PageScan {
       off[g] += residual ? quantize_weights_residual(w.data() + g * D, D, bits, wq.data() + g * D,
                                                      wq.data() + (G + g) * D, &step[g], &step2[g], resid.data())
                          : quantize_weights(w.data() + g * D, D, bits, wq.data() + g * D, &step[g]);
+    nibble_weights();
+  }
+
+  // The int8 weights in the orders the dot kernels read (nibble_order_int8).
+  void nibble_weights() {
     for (int64_t g = 0; g < dot_heads(); ++g) {
       if (vnni()) nibble_order_int8(wq.data() + g * D, bits, D, 64, wsplit.data() + g * D);
       if ((vnni() || kHaveAvx2) && bits == 4) nibble_order_int8(wq.data() + g * D, bits, D, 8, wsplit8.data() + g * D);
     }
   }
 
+  // terms and weights (in one pass where page_setup serves: the same values bit for bit).
   template <typename M>
   void open(const float* q, const M* lo, const M* sc, const M* rad) {
-    terms(q, lo, sc, rad);
-    weights();
+    if (residual || !page_setup_fits(D, bits)) {
+      terms(q, lo, sc, rad);
+      return weights();
+    }
+    page_setup(q, lo, sc, rad, G, D, bits, off.data(), pb.data(), mag.data(), wq.data(), step.data());
+    nibble_weights();
   }
 
   // Page masses at their bins.
