@@ -84,6 +84,34 @@ def test_update_reads_lowered_per_request_or_per_head():
     control.update([], torch.zeros(0, 3, dtype=torch.bool), torch.zeros(0, 3))
 
 
+def test_update_from_packed_step_stats_moves_shares_as_update():
+    """update_step reads the compiled step's packed statistics in one host copy; the shares move
+    as update moves them from the unpacked fields (NaN bounds leave no room, lowered heads fail)."""
+    from louver_sgl.decode.contract import StepStats
+
+    gen = torch.Generator().manual_seed(3)
+    by_fields, by_packed = ShareControl(ADAPTIVE), ShareControl(ADAPTIVE)
+    keys = ["a", "b", "c"]
+    for step in range(4 * RAISE_AFTER):
+        packed = torch.zeros(3, 5, 5, dtype=torch.float64)
+        packed[:, :4, 3] = torch.rand(3, 4, generator=gen, dtype=torch.float64) * ADAPTIVE.eps * 0.7
+        packed[:, :4, 4] = (torch.rand(3, 4, generator=gen) < 0.03).double()
+        if step % 7 == 0:
+            packed[1, 2, 3] = float("nan")
+        num = torch.tensor([640, 320, 128])
+        eager = StepStats.from_packed(packed.clone(), num, num // 64)
+        by_fields.update(keys, eager.lowered.clone(), eager.mass_bound)
+        lazy = StepStats.from_packed(packed, num, num // 64)
+        by_packed.update_step(keys, lazy)
+        assert lazy.packed is not None  # read without unpacking
+        assert by_packed.shares(keys).tolist() == by_fields.shares(keys).tolist()
+    assert len(set(by_fields.shares(keys).tolist())) > 1  # the shares did move apart
+    unpacked = StepStats.from_packed(torch.zeros(1, 5, 5, dtype=torch.float64), torch.tensor([64]), torch.tensor([1]))
+    unpacked.candidates
+    by_packed.update_step(["d"], unpacked)  # an unpacked (or another implementation's) StepStats
+    by_packed.update_step([], unpacked)
+
+
 @pytest.mark.parametrize("config", [ADAPTIVE.with_(estimate_share_max=0.0), ADAPTIVE.with_(estimate_share_max=8.0),
                                     ADAPTIVE.with_(certified_rule="histogram"),
                                     ADAPTIVE.with_(policy="budget")])

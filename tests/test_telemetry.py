@@ -103,6 +103,22 @@ def test_pending_steps_of_different_batches_sum_as_one_by_one():
     assert tel.window == one_by_one
 
 
+def test_recording_a_step_leaves_it_packed_and_a_mix_sums_alike():
+    """record_step reads a packed step's batch size without unpacking it; pending steps of which
+    some were unpacked sum as the packed ones do."""
+    steps = [_stats(seed) for seed in range(4)]
+    tel = Telemetry(interval=0)
+    for stats in steps:
+        tel.record_step(stats, ["a", "b"], 3)
+    assert all(s.packed is not None for s in tel.pending) and tel.pending_layers == [3] * 8
+    packed_sum = telemetry.pending_rows(tel.pending)
+    mixed = [_stats(seed) for seed in range(4)]
+    mixed[2].candidates  # unpacked
+    mixed_sum = telemetry.pending_rows(mixed)
+    for field in telemetry.SUMMED:
+        torch.testing.assert_close(getattr(packed_sum, field), getattr(mixed_sum, field), atol=0, rtol=0)
+
+
 def test_statistics_file_keeps_one_account_per_request(tmp_path, monkeypatch):
     """Rows of batches with different request ids sum into each request's own account (the
     same as summing that request's rows alone); prefill pages count per request; the oldest

@@ -30,6 +30,8 @@ from louver_eval.server import free_port, long_context_args, sglang_server
 
 ENV = {"LOUVER_PROFILE": "none", "LOUVER_GRID_BITS": "4", "LOUVER_PAGE_SIZE": "128", "LOUVER_POLICY": "budget",
        "LOUVER_BUDGET": "0.05", "LOUVER_MIN_SPARSE_TOKENS": "0", "LOUVER_STEP_TIMING": "1"}
+# --defaults: the backend's own defaults and this machine's shipped profile, as the main command serves
+DEFAULTS_ENV = {"LOUVER_STEP_TIMING": "1"}
 ARGS = ["--dtype", "float32", "--max-total-tokens", "40000"]
 
 
@@ -52,13 +54,14 @@ def streamed(url: str, ids: list[int], new_tokens: int) -> tuple[float, float]:
     return ttft, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
 
 
-def run_variant(ids: list[int], new_tokens: int, variant: list[str]) -> dict:
-    """One server run; ``variant``: extra server args, and LOUVER_*=value words as its environment."""
+def run_variant(ids: list[int], new_tokens: int, variant: list[str], base_env: dict = ENV) -> dict:
+    """One server run; ``variant``: extra server args, and LOUVER_*=value words as its environment
+    over ``base_env``."""
     variant_env = dict(w.split("=", 1) for w in variant if w.startswith("LOUVER_") and "=" in w)
     extra = [w for w in variant if not (w.startswith("LOUVER_") and "=" in w)]
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
-        env = {**ENV, **variant_env, "LOUVER_STATS_FILE": str(stats)}
+        env = {**base_env, **variant_env, "LOUVER_STATS_FILE": str(stats)}
         args = server_args(len(ids), new_tokens) + extra
         with sglang_server(ensure_model(), "louver", free_port(), env, args, timeout=600,
                            log_path=Path(tmp) / "server.log") as url:
@@ -79,8 +82,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=None,
                         help="extra server args and LOUVER_*=value variables of one run, space separated "
                              "(repeatable; default: '' and '--disable-overlap-schedule')")
+    parser.add_argument("--defaults", action="store_true",
+                        help="serve with the backend's defaults and this machine's profile (as the main command "
+                             "does) instead of the 4-bit budget setting above")
     parser.add_argument("--out", default="benchmarks/results/server_step_cpu.json")
     args = parser.parse_args()
+    base_env = DEFAULTS_ENV if args.defaults else ENV
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
@@ -88,13 +95,14 @@ def main() -> None:
     variants = args.variant if args.variant is not None else ["", "--disable-overlap-schedule"]
     rows = []
     for v in variants:
-        rows.append(run_variant(ids, args.new_tokens, v.split()))
+        rows.append(run_variant(ids, args.new_tokens, v.split(), base_env))
         print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({
-        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": ENV, "server_args": server_args(len(ids), args.new_tokens),
+        "date": str(date.today()), "cpu": cpu_model_name(), "server_env": base_env, "server_args": server_args(len(ids), args.new_tokens),
         "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "rows": rows,
         "command": f"python -m benchmarks.serving.server_step_cpu --tokens {args.tokens} --new-tokens {args.new_tokens} "
-                   + " ".join(f"--variant '{v}'" for v in variants) + f" --out {args.out}"}, indent=1))
+                   + " ".join(f"--variant '{v}'" for v in variants) + (" --defaults" if args.defaults else "")
+                   + f" --out {args.out}"}, indent=1))
 
 
 if __name__ == "__main__":

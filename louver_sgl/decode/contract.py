@@ -225,6 +225,25 @@ class StepStats:
         stats.__dict__.update(_packed=packed, num_indexed=num_indexed, num_pages=num_pages)
         return stats
 
+    @property
+    def rows(self) -> int:
+        """The batch size B, read without unpacking a packed instance."""
+        packed = self.__dict__.get("_packed")
+        return int(packed.shape[0]) if packed is not None else int(self.candidates.shape[0])
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The compiled step's fp64 ``[B, H_q + 1, 5]`` statistics while no field has been read
+        (``from_packed``), else None."""
+        return self.__dict__.get("_packed")
+
+    @classmethod
+    def concat_packed(cls, steps: list["StepStats"]) -> "StepStats":
+        """Steps of the compiled implementation with equal H_q (``packed`` not None) as one
+        ``StepStats`` over their rows, in order: three concatenations, unpacked once."""
+        return cls.from_packed(torch.cat([s.packed for s in steps]), torch.cat([s.num_indexed for s in steps]),
+                               torch.cat([s.num_pages for s in steps]))
+
     def __getattr__(self, name: str):
         # only reached for attributes not yet set: the fields of a packed instance
         packed = self.__dict__.get("_packed")

@@ -21,9 +21,9 @@ with its bound below 0.6·ε passed at √2 times the share too in all but 1 of 
 
 Any share certifies (the check, not the share, bounds the dropped mass), so the control only
 moves time. Host side: ``shares`` gives ``LouverDecode.run``'s ``estimate_share`` for a batch's
-keys, ``update`` reads back the step's ``lowered`` and ``mass_bound``. Keys are any hashable per
-(request, layer), e.g. ``(rid, layer_id)``; the least recently used are forgotten past
-``capacity``.
+keys, ``update`` (or ``update_step``, from the ``StepStats``) reads back the step's ``lowered`` and
+``mass_bound``. Keys are any hashable per (request, layer), e.g. ``(rid, layer_id)``; the least
+recently used are forgotten past ``capacity``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,26 @@ class ShareControl:
             return
         failed = lowered.reshape(len(keys), -1).any(1).tolist()
         roomy = (mass_bound.reshape(len(keys), -1).amax(1) < RAISE_BELOW * self.eps).tolist()  # NaN: no room
+        self._move(keys, failed, roomy)
+
+    def update_step(self, keys: Sequence[Hashable], stats) -> None:
+        """``update`` from the step's ``StepStats``. The compiled step's packed statistics are read
+        with one host copy and no tensor of their own (on the decode path every torch call costs
+        microseconds once the layer's step has swept the caches)."""
+        packed = stats.packed
+        if packed is None:
+            return self.update(keys, stats.lowered, stats.mass_bound)
+        if not keys:
+            return
+        limit = RAISE_BELOW * self.eps
+        rows = [r[:-1] for r in packed.tolist()]  # per request its heads' [t, candidates, skipped, bound, lowered]
+        failed = [any(h[4] != 0 for h in r) for r in rows]
+        roomy = [all(h[3] < limit for h in r) for r in rows]  # NaN: no room, as amax(...) < limit
+        self._move(keys, failed, roomy)
+
+    def _move(self, keys: Sequence[Hashable], failed: Sequence[bool], roomy: Sequence[bool]) -> None:
+        """Each key's share after a step where some head of it failed its check (``failed``) and
+        where every bound lay below RAISE_BELOW·ε (``roomy``)."""
         for key, fail, room in zip(keys, failed, roomy):
             entry = self._state.pop(key, None) or [self.start, 0]
             if fail:

@@ -75,6 +75,10 @@ class CpuDecodePath(DecodePath):
         self.share_controls: OrderedDict[LouverConfig, ShareControl] = OrderedDict()
         self.forward: DecodeForward | None = None
         self.groups: tuple[DecodeGroup, ...] = ()
+        # per forward, the same for every layer (prepare): the pages the decode tokens write, the
+        # pages they complete, the full pages the steps read and whether every layer has them built
+        self.written = self.completed = self.needed = None
+        self.all_built = False
 
     def _make_decode(self, config: LouverConfig) -> LouverDecode:
         launch = {"chunk_pages": self.serving.chunk_pages, "one_scan": self.serving.one_scan,
@@ -92,8 +96,18 @@ class CpuDecodePath(DecodePath):
                 group.decode.plan(page_table if rows is None else page_table[rows],
                                   seq_lens if rows is None else seq_lens[rows])
         self.groups = groups
+        self._pages_of(forward_batch, page_table, seq_lens)
         self.forward = DecodeForward(forward_batch, seq_lens, page_table)
         return self.forward
+
+    def _pages_of(self, forward_batch: ForwardBatch, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """The forward's page sets, once for all its layers: each layer's own torch calls on the
+        decode path cost microseconds apiece once its step has swept the caches."""
+        index, size = self.state.index, self.state.page_size
+        self.written = forward_batch.out_cache_loc.long() // size
+        self.completed = self.written[seq_lens % size == 0]
+        self.needed = index.full_pages(page_table, seq_lens)
+        self.all_built = index.all_built(self.needed)
 
     def _groups(self, forward_batch: ForwardBatch) -> tuple[DecodeGroup, ...]:
         """One group per distinct policy of the batch's requests (one, of the server's config, when
@@ -130,12 +144,13 @@ class CpuDecodePath(DecodePath):
         h_q, dim = layer.tp_q_head_num, layer.qk_head_dim
         q = q.reshape(-1, h_q * dim)
         out = torch.empty_like(q)
-        if save_kv_cache and k is not None and v is not None:
-            self._write_kv(layer, forward_batch, k, v)
         forward = self.forward
         if forward is None or forward.batch is not forward_batch:
             forward = self.prepare(forward_batch)  # a caller that skipped init_forward_metadata
-        state.index.build_unbuilt(layer_id, forward.page_table, forward.seq_lens)
+        if save_kv_cache and k is not None and v is not None:
+            self._write_kv(layer, forward_batch, k, v)
+        if not self.all_built:  # (the pages completed by this forward's writes are built by them)
+            state.index.build_unbuilt(layer_id, forward.page_table, forward.seq_lens, self.needed)
         step_start = time.perf_counter()
         q3, out3 = q.view(-1, h_q, dim), out.view(-1, h_q, dim)
         caches = (state.key_buffer(layer_id), state.value_buffer(layer_id), state.index.store(layer_id))
@@ -147,7 +162,7 @@ class CpuDecodePath(DecodePath):
                                           out=out3 if rows is None else None, stats=True,
                                           estimate_share=None if control is None else control.shares(keys))
                 if control is not None:
-                    control.update(keys, result.stats.lowered, result.stats.mass_bound)
+                    control.update_step(keys, result.stats)
                 if rows is not None:
                     out3[rows] = result.out
                 state.telemetry.record_step(result.stats, group.rids, layer_id)
@@ -175,13 +190,12 @@ class CpuDecodePath(DecodePath):
 
     def _write_kv(self, layer, forward_batch: ForwardBatch, k, v) -> None:
         """The decode token's K/V into the pool; the pages it completes are built."""
-        state, size = self.state, self.state.page_size
+        state = self.state
         state.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
-        state.index.invalidate(layer.layer_id, forward_batch.out_cache_loc)
-        full = forward_batch.seq_lens % size == 0
-        state.index.build(layer.layer_id, forward_batch.out_cache_loc[full].long() // size)
+        state.index.invalidate_pages(layer.layer_id, self.written)
+        state.index.build(layer.layer_id, self.completed)
         if layer.layer_id == state.first_layer:
-            state.telemetry.pages_built += int(full.sum())
+            state.telemetry.pages_built += int(self.completed.numel())
 
     def _time_step(self, start: float, step_start: float, step_end: float) -> None:
         """Add one layer's step time and the backend's own time around it (``step_timing``)."""

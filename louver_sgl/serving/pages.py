@@ -28,6 +28,10 @@ class ServingIndex:
         self.built: dict[int, torch.Tensor] = {}
         self.pages_rebuilt_on_read = 0  # on the first layer (one count per page)
         self.first_layer = getattr(pool, "start_layer", 0) or 0
+        # every layer's built flags as rows of one table [layers, pages] where the pool says how
+        # many layers it has (built[layer] are views of its rows): one check covers all layers
+        self.table: torch.Tensor | None = None
+        self.table_rows: torch.Tensor | None = None  # the rows of the layers with a store
 
     def store(self, layer_id: int) -> PageIndexStore:
         store = self.stores.get(layer_id)
@@ -37,8 +41,29 @@ class ServingIndex:
             store = PageIndexStore(self.config, num_pages, k_buffer.shape[1], k_buffer.shape[2], k_buffer.dtype,
                                    k_buffer.device, self.code_layout)
             self.stores[layer_id] = store
-            self.built[layer_id] = torch.zeros(num_pages, dtype=torch.bool, device=k_buffer.device)
+            self.built[layer_id] = self._flags(layer_id, num_pages, k_buffer.device)
         return store
+
+    def _flags(self, layer_id: int, num_pages: int, device) -> torch.Tensor:
+        """The built flags of a new layer's store: a row of the table where there is one."""
+        layers = getattr(self.pool, "layer_num", None)
+        row = layer_id - self.first_layer
+        if isinstance(layers, int) and 0 <= row < layers:
+            if self.table is None:
+                self.table = torch.zeros(layers, num_pages, dtype=torch.bool, device=device)
+            if self.table.shape[1] == num_pages:
+                rows = [] if self.table_rows is None else self.table_rows.tolist()
+                self.table_rows = torch.tensor(sorted(rows + [row]), dtype=torch.long, device=device)
+                return self.table[row]
+        return torch.zeros(num_pages, dtype=torch.bool, device=device)  # all_built then says False
+
+    def all_built(self, pages: torch.Tensor) -> bool:
+        """Whether every layer with a store has built every page of ``pages`` ``[n]`` (one check for
+        all layers, on the table; False without one: then each layer checks its own)."""
+        if self.table_rows is None or len(self.table_rows) != len(self.built):
+            return False
+        table = self.table if len(self.table_rows) == self.table.shape[0] else self.table[self.table_rows]
+        return bool(table[:, pages].all())
 
     def build(self, layer_id: int, page_ids: torch.Tensor) -> None:
         """Build pages ``page_ids`` ``[n]`` of layer ``layer_id`` from the pool's keys (host sync)."""
@@ -50,14 +75,26 @@ class ServingIndex:
 
     def invalidate(self, layer_id: int, slots: torch.Tensor) -> None:
         """Mark the pages of ``slots`` ``[n]`` as unbuilt (they were just written)."""
-        self.store(layer_id)
-        self.built[layer_id][slots.long() // self.page_size] = False
+        self.invalidate_pages(layer_id, slots.long() // self.page_size)
 
-    def build_unbuilt(self, layer_id: int, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Build full pages of a decode batch that are read but not built."""
+    def invalidate_pages(self, layer_id: int, page_ids: torch.Tensor) -> None:
+        """Mark pages ``page_ids`` ``[n]`` (int64) as unbuilt (they were just written)."""
         self.store(layer_id)
-        full = torch.arange(page_table.shape[1])[None, :] < (seq_lens // self.page_size)[:, None]
-        needed = page_table[full]
+        self.built[layer_id][page_ids] = False
+
+    def full_pages(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The page ids ``[n]`` of a decode batch's full pages (``page_table`` ``[B, max_pages]``,
+        ``seq_lens`` ``[B]``): the pages its steps read through the index."""
+        full = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < (seq_lens // self.page_size)[:, None]
+        return page_table[full]
+
+    def build_unbuilt(self, layer_id: int, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                      needed: torch.Tensor | None = None) -> None:
+        """Build full pages of a decode batch that are read but not built (``needed``: its
+        ``full_pages``, where the caller has them)."""
+        self.store(layer_id)
+        if needed is None:
+            needed = self.full_pages(page_table, seq_lens)
         missing = needed[~self.built[layer_id][needed]]
         if missing.numel():
             if layer_id == self.first_layer:

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from ..decode.contract import StepStats
+
 logger = logging.getLogger("louver_sgl.serving")
 
 # Recorded steps summed at the latest once this many have piled up (bounds the memory they hold
@@ -33,6 +35,16 @@ logger = logging.getLogger("louver_sgl.serving")
 PENDING_LIMIT = 512
 # the StepStats fields Counts.add reads
 SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback", "lowered")
+
+
+def pending_rows(pending: list) -> SimpleNamespace:
+    """The ``SUMMED`` fields of recorded steps (of one head count) concatenated over their rows,
+    in order. Steps of the compiled implementation still packed are joined packed and unpacked
+    once (three concatenations instead of one unpacking per step and one per field)."""
+    if all(s.packed is not None for s in pending):
+        joined = StepStats.concat_packed(pending)
+        return SimpleNamespace(**{f: getattr(joined, f) for f in SUMMED})
+    return SimpleNamespace(**{f: torch.cat([getattr(s, f) for s in pending]) for f in SUMMED})
 REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
 # SGLang's /health runs a one-token generation under this request id prefix
 # (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX): a router checking every few seconds would
@@ -202,15 +214,16 @@ class Telemetry:
         lowered steps there). They are kept and summed when the window is read (or
         PENDING_LIMIT have piled up): the sums are a dozen torch calls, and after a layer's
         attention has swept the caches each costs microseconds on the decode path."""
+        rows = stats.rows  # (a packed step stays packed: reading a field unpacks eight tensors)
         self.pending.append(stats)
-        self.pending_layers.extend([-1 if layer is None else layer] * stats.candidates.shape[0])
+        self.pending_layers.extend([-1 if layer is None else layer] * rows)
         if self.prefill_counted and rids is not None:
             for rid in rids:  # prefill done: a later request under the same id starts afresh
                 self.prefill_counted.pop(rid, None)
-        if self.stats_file and rids is not None and len(rids) == stats.candidates.shape[0]:
+        if self.stats_file and rids is not None and len(rids) == rows:
             self.pending_rids.extend(rids)
         else:
-            self.pending_rids.extend([None] * stats.candidates.shape[0])
+            self.pending_rids.extend([None] * rows)
         if len(self.pending) >= PENDING_LIMIT:
             self._sum_pending()
 
@@ -220,7 +233,7 @@ class Telemetry:
         the same per request id (only with a statistics file)."""
         if not self.pending:
             return
-        rows = SimpleNamespace(**{f: torch.cat([getattr(s, f) for s in self.pending]) for f in SUMMED})
+        rows = pending_rows(self.pending)
         self.window.add(rows)
         by_rid: dict[str, list[int]] = {}
         for i, rid in enumerate(self.pending_rids):

@@ -55,3 +55,25 @@ def test_the_hook_fits_the_host_pool_method_it_wraps():
     assert params[:6] == ["self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend"]
     module, _, attr = host_tier.TARGET.rpartition(".")
     assert module.endswith("MHATokenToKVPoolHost") and attr == "load_to_device_per_layer"
+
+
+def test_one_check_says_whether_every_layer_has_a_batchs_pages_built():
+    """The built flags of a pool's layers are rows of one table: ``all_built`` answers for every
+    layer with a store at once; a write (or a load back) into any layer's page turns it False
+    until that layer rebuilds the page; a layer outside the table leaves every check False."""
+    keys = torch.randn(8 * P, 2, 64)
+    pool = SimpleNamespace(start_layer=2, layer_num=3, get_key_buffer=lambda layer: keys)
+    index = ServingIndex(LouverConfig(page_size=P), pool, P)
+    for layer in (2, 3, 4):
+        index.build(layer, torch.arange(6))
+    assert index.table is not None and index.table_rows.tolist() == [0, 1, 2]
+    assert index.built[3].data_ptr() == index.table[1].data_ptr()
+    needed = index.full_pages(torch.arange(8)[None], torch.tensor([6 * P + 3]))
+    assert needed.tolist() == list(range(6)) and index.all_built(needed)
+    assert not index.all_built(torch.tensor([6]))
+    index.invalidate_pages(3, torch.tensor([4]))
+    assert not index.all_built(needed) and index.all_built(torch.tensor([0, 5]))
+    index.build_unbuilt(3, torch.arange(8)[None], torch.tensor([6 * P + 3]), needed)
+    assert index.all_built(needed) and index.pages_rebuilt_on_read == 0  # (counted on the first layer)
+    index.build(7, torch.arange(6))  # a layer the pool's count leaves out
+    assert not index.all_built(needed)
