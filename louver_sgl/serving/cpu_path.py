@@ -78,7 +78,7 @@ class CpuDecodePath(DecodePath):
         # per forward, the same for every layer (prepare): the pages the decode tokens write, the
         # pages they complete, the full pages the steps read and whether every layer has them built
         self.written = self.completed = self.needed = None
-        self.all_built = False
+        self.all_built, self.invalidations = False, 0
 
     def _make_decode(self, config: LouverConfig) -> LouverDecode:
         launch = {"chunk_pages": self.serving.chunk_pages, "one_scan": self.serving.one_scan,
@@ -107,7 +107,7 @@ class CpuDecodePath(DecodePath):
         self.written = forward_batch.out_cache_loc.long() // size
         self.completed = self.written[seq_lens % size == 0]
         self.needed = index.full_pages(page_table, seq_lens)
-        self.all_built = index.all_built(self.needed)
+        self.all_built, self.invalidations = index.all_built(self.needed), index.invalidations
 
     def _groups(self, forward_batch: ForwardBatch) -> tuple[DecodeGroup, ...]:
         """One group per distinct policy of the batch's requests (one, of the server's config, when
@@ -149,7 +149,9 @@ class CpuDecodePath(DecodePath):
             forward = self.prepare(forward_batch)  # a caller that skipped init_forward_metadata
         if save_kv_cache and k is not None and v is not None:
             self._write_kv(layer, forward_batch, k, v)
-        if not self.all_built:  # (the pages completed by this forward's writes are built by them)
+        # (the pages this forward's own writes complete are built by them; a write by slot since
+        # prepare, e.g. a host-tier load, voids its check)
+        if not self.all_built or state.index.invalidations != self.invalidations:
             state.index.build_unbuilt(layer_id, forward.page_table, forward.seq_lens, self.needed)
         step_start = time.perf_counter()
         q3, out3 = q.view(-1, h_q, dim), out.view(-1, h_q, dim)

@@ -32,6 +32,9 @@ class ServingIndex:
         # many layers it has (built[layer] are views of its rows): one check covers all layers
         self.table: torch.Tensor | None = None
         self.table_rows: torch.Tensor | None = None  # the rows of the layers with a store
+        # calls of invalidate (writes by slot: prefill, host-tier loads, which may land while a
+        # decode forward runs); a check of all_built holds until this moves
+        self.invalidations = 0
 
     def store(self, layer_id: int) -> PageIndexStore:
         store = self.stores.get(layer_id)
@@ -75,18 +78,20 @@ class ServingIndex:
 
     def invalidate(self, layer_id: int, slots: torch.Tensor) -> None:
         """Mark the pages of ``slots`` ``[n]`` as unbuilt (they were just written)."""
+        self.invalidations += 1
         self.invalidate_pages(layer_id, slots.long() // self.page_size)
 
     def invalidate_pages(self, layer_id: int, page_ids: torch.Tensor) -> None:
-        """Mark pages ``page_ids`` ``[n]`` (int64) as unbuilt (they were just written)."""
+        """Mark pages ``page_ids`` ``[n]`` (int64) as unbuilt (they were just written; the decode
+        path's own writes, which it accounts for itself: ``invalidations`` does not move)."""
         self.store(layer_id)
         self.built[layer_id][page_ids] = False
 
     def full_pages(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """The page ids ``[n]`` of a decode batch's full pages (``page_table`` ``[B, max_pages]``,
         ``seq_lens`` ``[B]``): the pages its steps read through the index."""
-        full = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < (seq_lens // self.page_size)[:, None]
-        return page_table[full]
+        slots = torch.arange(page_table.shape[1], device=page_table.device)
+        return page_table[slots[None, :] < (seq_lens // self.page_size)[:, None]]
 
     def build_unbuilt(self, layer_id: int, page_table: torch.Tensor, seq_lens: torch.Tensor,
                       needed: torch.Tensor | None = None) -> None:

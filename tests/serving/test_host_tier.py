@@ -75,5 +75,9 @@ def test_one_check_says_whether_every_layer_has_a_batchs_pages_built():
     assert not index.all_built(needed) and index.all_built(torch.tensor([0, 5]))
     index.build_unbuilt(3, torch.arange(8)[None], torch.tensor([6 * P + 3]), needed)
     assert index.all_built(needed) and index.pages_rebuilt_on_read == 0  # (counted on the first layer)
+    seen = index.invalidations
+    index.invalidate(2, torch.arange(P))  # a write by slot (a prefill, a host-tier load) is counted
+    assert index.invalidations == seen + 1 and not index.all_built(needed)
+    index.build(2, torch.tensor([0]))
     index.build(7, torch.arange(6))  # a layer the pool's count leaves out
     assert not index.all_built(needed)
