@@ -228,7 +228,7 @@ class StepStats:
     @property
     def rows(self) -> int:
         """The batch size B, read without unpacking a packed instance."""
-        packed = self.__dict__.get("_packed")
+        packed = self.packed
         return int(packed.shape[0]) if packed is not None else int(self.candidates.shape[0])
 
     @property
@@ -236,6 +236,13 @@ class StepStats:
         """The compiled step's fp64 ``[B, H_q + 1, 5]`` statistics while no field has been read
         (``from_packed``), else None."""
         return self.__dict__.get("_packed")
+
+    def packed_checks(self, bound_below: float) -> tuple[list[bool], list[bool]]:
+        """Of a packed instance (``packed`` not None), per request: whether some head was lowered
+        by its check, and whether every head's mass bound lies below ``bound_below`` (NaN: not
+        below). One host copy, no tensor unpacked (the share control reads it every layer)."""
+        heads = [r[:-1] for r in self.packed.tolist()]  # per request, per head the five columns below
+        return ([any(h[4] != 0 for h in r) for r in heads], [all(h[3] < bound_below for h in r) for r in heads])
 
     @classmethod
     def concat_packed(cls, steps: list["StepStats"]) -> "StepStats":
@@ -250,7 +257,7 @@ class StepStats:
         if packed is None or name not in _PACKED_FIELDS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         heads = packed.shape[1] - 1
-        if name == "lowered":  # read every step by share control: alone, the rest stays packed
+        if name == "lowered":  # read alone (a benchmark's count of lowered requests): the rest stays packed
             self.__dict__["lowered"] = packed[:, :heads, 4] != 0
             return self.__dict__["lowered"]
         per_head, per_req = packed[:, :heads], packed[:, heads]

@@ -81,16 +81,10 @@ class ShareControl:
         """``update`` from the step's ``StepStats``. The compiled step's packed statistics are read
         with one host copy and no tensor of their own (on the decode path every torch call costs
         microseconds once the layer's step has swept the caches)."""
-        packed = stats.packed
-        if packed is None:
+        if stats.packed is None:
             return self.update(keys, stats.lowered, stats.mass_bound)
-        if not keys:
-            return
-        limit = RAISE_BELOW * self.eps
-        rows = [r[:-1] for r in packed.tolist()]  # per request its heads' [t, candidates, skipped, bound, lowered]
-        failed = [any(h[4] != 0 for h in r) for r in rows]
-        roomy = [all(h[3] < limit for h in r) for r in rows]  # NaN: no room, as amax(...) < limit
-        self._move(keys, failed, roomy)
+        if keys:  # NaN bounds leave no room, as amax(...) < limit does in update
+            self._move(keys, *stats.packed_checks(RAISE_BELOW * self.eps))
 
     def _move(self, keys: Sequence[Hashable], failed: Sequence[bool], roomy: Sequence[bool]) -> None:
         """Each key's share after a step where some head of it failed its check (``failed``) and

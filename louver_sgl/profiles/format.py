@@ -275,13 +275,11 @@ def carry_hand_set(existing: Profile, tuned: Profile) -> tuple[Profile, list[str
     if not keys:
         return tuned, [], []
     searched = set((tuned.measured.get("tuned") or {}).get("params") or {})
-    held = {**existing.launch, **existing.config}  # (a key the profile does not hold is not carried)
-    carried = [k for k in keys if k not in searched and k in held]
+    # each from where the profile holds it (a key it does not hold is not carried)
+    carried = [k for k in keys if k not in searched and (k in existing.config or k in existing.launch)]
     dropped = [k for k in keys if k in searched]
-    config_fields = {f.name for f in dataclasses.fields(LouverConfig)}
-    config = {**tuned.config, **{k: existing.config[k] for k in carried if k in config_fields and k in existing.config}}
-    launch = {**tuned.launch,
-              **{k: existing.launch[k] for k in carried if k not in config_fields and k in existing.launch}}
+    config = {**tuned.config, **{k: existing.config[k] for k in carried if k in existing.config}}
+    launch = {**tuned.launch, **{k: existing.launch[k] for k in carried if k in existing.launch}}
     measured = dict(tuned.measured)
     if carried:
         measured["hand_set"] = {k: v for k, v in record.items() if k in carried or k in HAND_SET_NOTES}

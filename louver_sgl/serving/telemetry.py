@@ -35,6 +35,11 @@ logger = logging.getLogger("louver_sgl.serving")
 PENDING_LIMIT = 512
 # the StepStats fields Counts.add reads
 SUMMED = ("candidates", "pages_skipped", "mass_bound", "num_indexed", "num_pages", "dense_fallback", "lowered")
+REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
+# SGLang's /health runs a one-token generation under this request id prefix
+# (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX): a router checking every few seconds would
+# otherwise push every real request's account out of the statistics file within minutes
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 
 
 def pending_rows(pending: list) -> SimpleNamespace:
@@ -45,11 +50,6 @@ def pending_rows(pending: list) -> SimpleNamespace:
         joined = StepStats.concat_packed(pending)
         return SimpleNamespace(**{f: getattr(joined, f) for f in SUMMED})
     return SimpleNamespace(**{f: torch.cat([getattr(s, f) for s in pending]) for f in SUMMED})
-REQUEST_LIMIT = 256  # per-request accounts kept in the statistics file (the most recent)
-# SGLang's /health runs a one-token generation under this request id prefix
-# (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX): a router checking every few seconds would
-# otherwise push every real request's account out of the statistics file within minutes
-HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 
 
 @dataclass
