@@ -241,8 +241,9 @@ class StepStats:
         """Of a packed instance (``packed`` not None), per request: whether some head was lowered
         by its check, and whether every head's mass bound lies below ``bound_below`` (NaN: not
         below). One host copy, no tensor unpacked (the share control reads it every layer)."""
-        heads = [r[:-1] for r in self.packed.tolist()]  # per request, per head the five columns below
-        return ([any(h[4] != 0 for h in r) for r in heads], [all(h[3] < bound_below for h in r) for r in heads])
+        heads = [r[:-1] for r in self.packed.tolist()]  # per request, per head its five columns
+        return ([any(h[_LOWERED] != 0 for h in r) for r in heads],
+                [all(h[_MASS_BOUND] < bound_below for h in r) for r in heads])
 
     @classmethod
     def concat_packed(cls, steps: list["StepStats"]) -> "StepStats":
@@ -258,19 +259,22 @@ class StepStats:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         heads = packed.shape[1] - 1
         if name == "lowered":  # read alone (a benchmark's count of lowered requests): the rest stays packed
-            self.__dict__["lowered"] = packed[:, :heads, 4] != 0
+            self.__dict__["lowered"] = packed[:, :heads, _LOWERED] != 0
             return self.__dict__["lowered"]
         per_head, per_req = packed[:, :heads], packed[:, heads]
         self.__dict__.update(
             threshold=per_head[..., 0].float(), candidates=per_head[..., 1].long(),
-            pages_skipped=per_head[..., 2].long(), mass_bound=per_head[..., 3].contiguous(),
+            pages_skipped=per_head[..., 2].long(), mass_bound=per_head[..., _MASS_BOUND].contiguous(),
             dense_fallback=per_req[:, 0] != 0, union_candidates=per_req[:, 1].long(),
             values_read=per_req[:, 2].long(), pages_read=per_req[:, 3].long())
-        self.__dict__.setdefault("lowered", per_head[..., 4] != 0)
+        self.__dict__.setdefault("lowered", per_head[..., _LOWERED] != 0)
         del self.__dict__["_packed"]
         return self.__dict__[name]
 
 
+# columns of a head's row in the packed statistics (from_packed; kernels/cpu/stats.h) that are
+# read on their own: by packed_checks and by an unpacking of ``lowered`` alone
+_MASS_BOUND, _LOWERED = 3, 4
 _PACKED_FIELDS = frozenset(("threshold", "candidates", "pages_skipped", "mass_bound", "dense_fallback",
                             "union_candidates", "values_read", "pages_read", "lowered"))
 
