@@ -140,6 +140,24 @@ def test_exact_part_budget_threshold_matches_torch(fraction):
     assert bool(torch.isneginf(t[ex.sample[1] == 0]).all())
 
 
+@pytest.mark.parametrize("sample_size", [7, 40, 300])
+@pytest.mark.parametrize("fraction", [0.001, 0.05, 0.3, 1.0])
+def test_exact_part_budget_threshold_with_ties_and_infinities(sample_size, fraction):
+    """The compiled budget T equals threshold.budget_threshold where most sample scores tie (keys
+    and queries of a few small integers, so many scores are equal), some are −inf and some +inf
+    (infinite keys), and the samples are longer than a vector of lanes or shorter."""
+    gen = torch.Generator().manual_seed(sample_size)
+    k, _, table, lens = make_paged(LENS, 16, 2, 64, seed=9, dtype=torch.float32)
+    k.copy_(torch.randint(-1, 2, k.shape, generator=gen).float())
+    q = torch.randint(-1, 2, (len(LENS), 6, 64), generator=gen).float()
+    plan = plan_decode(table, lens, LouverConfig(page_size=16, sample_size=sample_size))
+    k[plan.sample_slots[1], 0, :] = float("inf")  # +inf or −inf scores, by the sign of q·1
+    k[plan.sample_slots[4], 1, :] = -float("inf")
+    ex, t = compiled_exact_part(q, k, plan, 0.125, sample_size, OPS, fraction)
+    want = th.budget_threshold(ex.sample[0], ex.sample[1], fraction)
+    torch.testing.assert_close(t, want, equal_nan=True, atol=0, rtol=0)
+
+
 def test_chunk_totals_match_torch():
     gen = torch.Generator().manual_seed(4)
     chunk_req = torch.tensor([0, 0, 1, 3, 3, 3])  # requests 2 and 4 have no chunk

@@ -817,13 +817,15 @@ inline AttendArgs attend_args(const torch::Tensor& q, const torch::Tensor& k_cac
 
 // One thread's share of the attend pass: chunks taken from the shared counter ``next`` until none
 // is left. Tasks are not split statically: their costs differ (the candidate count varies along
-// the context), and a static split left one core idle for a large part of a batch-1 step.
+// the context), and a static split left one core idle for a large part of a batch-1 step. Returns
+// the first number it drew past the chunks (the queue may hold more tasks after them).
 template <typename KV>
-void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo, const KV* sc, const KV* rad,
-                   std::atomic<int64_t>& next) {
+int64_t attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo, const KV* sc, const KV* rad,
+                      std::atomic<int64_t>& next) {
   const int64_t G = a.groups;
   std::vector<ChunkRunner<KV>> runners;
-  for (int64_t c = next++; c < a.n_chunks; c = next++) {
+  int64_t c = next++;
+  for (; c < a.n_chunks; c = next++) {
     if (a.only_req && !a.only_req[a.chunk_req[c]]) continue;
     if (runners.empty()) {
       runners.reserve(a.h_kv);
@@ -847,6 +849,7 @@ void attend_worker(const AttendArgs& a, const KV* kc, const KV* vc, const KV* lo
                        a.mass + base * 3);
     }
   }
+  return c;
 }
 
 }  // namespace louver_cpu

@@ -44,7 +44,10 @@ void merge_chunks(Named& n) {
   n.done();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v_cache.scalar_type(), "merge_chunks", [&] {
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, g.B * g.h_kv, 1, [&](int64_t begin, int64_t end) { merge_tasks(g, vc, begin, end); });
+    at::parallel_for(0, g.B * g.h_kv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) dense_task(g, vc, task);
+      merge_tasks(g, begin, end);
+    });
   });
 }
 

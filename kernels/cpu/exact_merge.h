@@ -8,12 +8,57 @@
 
 namespace louver_cpu {
 
+// The k-th largest (1-based, 1 <= k <= n) of the n numbers in x (no NaN); x and y: n + 16 floats
+// each (y scratch; a compress stores 16 lanes).
+// A quickselect whose partitions are vector compares and compresses (AVX-512): nth_element's
+// compares mispredict on about every other element, a few microseconds per head and step at 256
+// samples. Either order of +0 and -0 may be the result where they tie.
+inline float kth_largest(float* x, float* y, int64_t n, int64_t k) {
+#if defined(__AVX512F__)
+  while (n > 16) {
+    const float a = x[0], b = x[n / 2], c = x[n - 1];
+    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // median of three
+    const __m512 pv = _mm512_set1_ps(pivot);
+    int64_t above = 0, equal = 0;
+    for (int64_t i = 0; i < n; i += 16) {  // the numbers above the pivot into y
+      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+      const __mmask16 gt = _mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_GT_OQ);
+      _mm512_storeu_ps(y + above, _mm512_maskz_compress_ps(gt, v));  // to a register: Zen 4 compresses to memory slowly
+      above += __builtin_popcount(gt);
+      equal += __builtin_popcount(_mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_EQ_OQ));
+    }
+    if (k <= above) {
+      std::swap(x, y);
+      n = above;
+      continue;
+    }
+    if (k <= above + equal) return pivot;
+    k -= above + equal;
+    int64_t below = 0;
+    for (int64_t i = 0; i < n; i += 16) {  // the numbers below it
+      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+      const __mmask16 lt = _mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_LT_OQ);
+      _mm512_storeu_ps(y + below, _mm512_maskz_compress_ps(lt, v));
+      below += __builtin_popcount(lt);
+    }
+    std::swap(x, y);
+    n = below;
+  }
+#else
+  (void)y;
+#endif
+  std::nth_element(x, x + (k - 1), x + n, std::greater<float>());
+  return x[k - 1];
+}
+
 // The budget rule on one head's n sample scores (``stride`` floats apart): the ⌊f·n⌋-th largest
 // (at least the largest), -inf without samples. NaN ranks above every number, as in torch.topk.
 inline float budget_pick(const float* scores, int64_t stride, int64_t n, double fraction, std::vector<float>& scratch) {
   if (n == 0) return -INFINITY;
   const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::floor(double(n) * fraction))));
-  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  if (static_cast<int64_t>(scratch.size()) < 2 * (n + 16)) scratch.resize(2 * (n + 16));
   int64_t m = 0, nans = 0;
   for (int64_t j = 0; j < n; ++j) {
     const float x = scores[j * stride];
@@ -24,8 +69,7 @@ inline float budget_pick(const float* scores, int64_t stride, int64_t n, double 
     }
   }
   if (k <= nans) return NAN;
-  std::nth_element(scratch.begin(), scratch.begin() + (k - 1 - nans), scratch.begin() + m, std::greater<float>());
-  return scratch[k - 1 - nans];
+  return kth_largest(scratch.data(), scratch.data() + n + 16, m, k - nans);
 }
 
 // contract.ValueGate.threshold: T − rel·(|T| + 1) with torch's fp32 operations (volatile keeps the
@@ -197,6 +241,12 @@ struct MergeArgs {
   float sig;
   float* outp;  // [B, H, DV]
   std::vector<int64_t> d_bounds, c_bounds;
+  // The dense part's softmax state per (request, head), as a chunk's (dense_task writes it, the
+  // merge reads it): m [B, H] (its largest σ·s; −inf: none), l [B, H], then o [B, H, DV]
+  mutable std::vector<float> dense;
+  float* dense_m() const { return dense.data(); }
+  float* dense_l() const { return dense.data() + B * H; }
+  float* dense_o() const { return dense.data() + 2 * B * H; }
 };
 
 inline MergeArgs merge_args(const torch::Tensor& s_dense, const torch::Tensor& dense_slots,
@@ -208,6 +258,7 @@ inline MergeArgs merge_args(const torch::Tensor& s_dense, const torch::Tensor& d
               v_cache.size(1), out.size(1) / v_cache.size(1), static_cast<float>(sigma), out.data_ptr<float>(), {}, {}};
   g.d_bounds = request_bounds(g.dr, dense_slots.size(0), g.B);
   g.c_bounds = request_bounds(chunk_req.data_ptr<int64_t>(), chunk_req.size(0), g.B);
+  g.dense.resize(g.B * g.H * (2 + g.DV));
   return g;
 }
 
@@ -278,23 +329,43 @@ inline void dense_values(const MergeArgs& g, const KV* vc, int64_t d0, int64_t n
   }
 }
 
-// Merge tasks (request, KV head) in [begin, end): softmax over the dense part's exact scores and
-// the chunks' partial states, written normalised to out.
+// The dense part's softmax state (MergeArgs::dense) of task (request, KV head): per head of the
+// group the largest σ·s of its dense rows (NaN scores aside), and l, o relative to it (to 0 where it
+// is not finite; m = −inf where it is −inf: no dense row). A task of its own so that it can run in
+// the attend pass's queue, beside the chunks, instead of in the merge after them.
 template <typename KV>
-inline void merge_tasks(const MergeArgs& g, const KV* vc, int64_t begin, int64_t end) {
+inline void dense_task(const MergeArgs& g, const KV* vc, int64_t task) {
+  const int64_t H = g.H, G = g.G, h_kv = g.h_kv;
+  const int64_t b = task / h_kv, k = task % h_kv, h0 = b * H + k * G;
+  const int64_t d0 = g.d_bounds[b], nd = g.d_bounds[b + 1] - d0;
+  std::vector<float> val(g.DV), top(G), weight;
+  for (int64_t j = 0; j < G; ++j) {
+    float t = -INFINITY;
+    for (int64_t i = d0; i < d0 + nd; ++i) t = std::max(t, g.sig * g.sd[i * H + k * G + j]);
+    top[j] = std::isfinite(t) ? t : 0.f;
+    g.dense_m()[h0 + j] = t == -INFINITY ? -INFINITY : top[j];
+  }
+  dense_weights(g, d0, nd, k, top.data(), weight, g.dense_l() + h0);
+  dense_values(g, vc, d0, nd, k, weight.data(), g.dense_o() + h0 * g.DV, val.data());
+}
+
+// Merge tasks (request, KV head) in [begin, end): softmax over the dense part's state (dense_task,
+// run before) and the chunks' partial states, written normalised to out.
+inline void merge_tasks(const MergeArgs& g, int64_t begin, int64_t end) {
   const int64_t H = g.H, DV = g.DV, G = g.G, h_kv = g.h_kv;
-  std::vector<float> val(DV), num(G * DV), top(G), den(G), weight;
+  std::vector<float> num(G * DV), top(G), den(G);
+  const float *dm = g.dense_m(), *dl = g.dense_l(), *dov = g.dense_o();
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / h_kv, k = task % h_kv, h0 = b * H + k * G;
-    const int64_t d0 = g.d_bounds[b], nd = g.d_bounds[b + 1] - d0;
     for (int64_t j = 0; j < G; ++j) {
-      float t = -INFINITY;
-      for (int64_t i = d0; i < d0 + nd; ++i) t = std::max(t, g.sig * g.sd[i * H + k * G + j]);
+      float t = dm[h0 + j];
       for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c) t = std::max(t, g.mp[c * H + k * G + j]);
       top[j] = std::isfinite(t) ? t : 0.f;
+      // not skipped where the scale is 0: a NaN dense score's NaN must reach the output
+      const float scale = std::exp(dm[h0 + j] - top[j]);
+      den[j] = dl[h0 + j] * scale;
+      for (int64_t d = 0; d < DV; ++d) num[j * DV + d] = dov[(h0 + j) * DV + d] * scale;
     }
-    dense_weights(g, d0, nd, k, top.data(), weight, den.data());
-    dense_values(g, vc, d0, nd, k, weight.data(), num.data(), val.data());
     for (int64_t c = g.c_bounds[b]; c < g.c_bounds[b + 1]; ++c)
       for (int64_t j = 0; j < G; ++j) {
         const int64_t row = c * H + k * G + j;

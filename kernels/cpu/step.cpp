@@ -47,13 +47,24 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
         gp[bh] = value_gate ? value_gate_threshold(tp[bh], gate_rel) : -INFINITY;
       }
     }
-    if (phases & kAttend) attend_worker(a, kc, vc, lo, sc, rad, next);
-    if ((phases & kAttend) && (phases & kMerge)) {
+    // with the merge in this region, the dense part's states are the queue's last tasks, after
+    // the chunks: small ones that even out the threads' ends
+    const bool dense_queued = (phases & kAttend) && (phases & kMerge);
+    if (phases & kAttend) {
+      const int64_t tasks = g.B * g.h_kv;
+      for (int64_t i = attend_worker(a, kc, vc, lo, sc, rad, next) - a.n_chunks; dense_queued && i < tasks;
+           i = next++ - a.n_chunks)
+        dense_task(g, vc, i);
+    }
+    if (dense_queued) {
 #pragma omp barrier
     }
     if (phases & kMerge) {
 #pragma omp for schedule(static)
-      for (int64_t task = 0; task < g.B * g.h_kv; ++task) merge_tasks(g, vc, task, task + 1);
+      for (int64_t task = 0; task < g.B * g.h_kv; ++task) {
+        if (!dense_queued) dense_task(g, vc, task);
+        merge_tasks(g, task, task + 1);
+      }
     }
   }
 }
