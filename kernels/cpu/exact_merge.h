@@ -112,6 +112,7 @@ inline ExactArgs exact_args(const torch::Tensor& q, const torch::Tensor& k_cache
 }
 
 constexpr int64_t kExactAhead = 12;  // rows prefetched ahead by exact_rows
+constexpr int64_t kExactAheadL2 = 48;  // rows prefetched ahead into L2 by exact_rows16
 constexpr int64_t kExactScratch = 16;  // rows of the scratch exact_rows takes, in units of D
 
 // Row ``row`` of the exact part (0..ND-1 the dense part, ND..ND+NS-1 the sample): its KV slot, its
@@ -134,6 +135,8 @@ inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_
   const int64_t D = e.D, row_elems = e.h_kv * D, row_bytes = row_elems * static_cast<int64_t>(sizeof(KV));
   for (int64_t r = begin; r < std::min(end, begin + 16); ++r)
     prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
+  for (int64_t r = begin + 16; r < std::min(end, begin + kExactAheadL2); ++r)
+    prefetch_bytes_l2(kc + exact_slot(e, r) * row_elems, row_bytes);
   alignas(64) float lanes[16];
   for (int64_t row = begin; row < end;) {
     const int64_t b = exact_req(e, row), part_end = row < e.nd ? std::min(end, e.nd) : end;
@@ -142,6 +145,9 @@ inline void exact_rows16(const ExactArgs& e, const KV* kc, int64_t begin, int64_
     while (n < 16 && row + n < part_end && exact_req(e, row + n) == b) ++n;
     for (int64_t r = row + 16; r < std::min(end, row + 32); ++r)  // the next block (rows are scattered)
       prefetch_bytes(kc + exact_slot(e, r) * row_elems, row_bytes);
+    // and further ahead into L2: a cold random row waits on memory longer than a block computes
+    for (int64_t r = row + kExactAheadL2; r < std::min(end, row + kExactAheadL2 + 16); ++r)
+      prefetch_bytes_l2(kc + exact_slot(e, r) * row_elems, row_bytes);
     for (int64_t k = 0; k < e.h_kv; ++k) {
       for (int64_t t = 0; t < n; ++t) load_f32(kc + exact_slot(e, row + t) * row_elems + k * D, D, rows + t * D);
       norms_up16(rows, D, lanes);
