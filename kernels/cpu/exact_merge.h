@@ -250,6 +250,7 @@ struct MergeArgs {
   // The dense part's softmax state per (request, head), as a chunk's (dense_task writes it, the
   // merge reads it): m [B, H] (its largest σ·s; −inf: none), l [B, H], then o [B, H, DV]
   mutable std::vector<float> dense;
+  mutable bool dense_ready = false;  // whether dense_task has run for every task
   float* dense_m() const { return dense.data(); }
   float* dense_l() const { return dense.data() + B * H; }
   float* dense_o() const { return dense.data() + 2 * B * H; }

@@ -29,6 +29,7 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
                 const KV* sc, const KV* rad, double t_fixed, bool value_gate, float gate_rel, float* tp, float* gp,
                 int phases = kAllPhases) {
   std::atomic<int64_t> next{0};
+  const bool dense_ready = g.dense_ready;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     if (phases & kExactPart) {
@@ -47,26 +48,26 @@ void run_phases(const ExactArgs& e, const AttendArgs& a, const MergeArgs& g, con
         gp[bh] = value_gate ? value_gate_threshold(tp[bh], gate_rel) : -INFINITY;
       }
     }
-    // with the merge in this region, the dense part's states are the queue's last tasks, after
-    // the chunks: small ones that even out the threads' ends
-    const bool dense_queued = (phases & kAttend) && (phases & kMerge);
+    // the dense part's states, once per step: the queue's last tasks in the first attend pass
+    // (small ones, after the chunks, that even out the threads' ends), else in the merge
     if (phases & kAttend) {
       const int64_t tasks = g.B * g.h_kv;
-      for (int64_t i = attend_worker(a, kc, vc, lo, sc, rad, next) - a.n_chunks; dense_queued && i < tasks;
+      for (int64_t i = attend_worker(a, kc, vc, lo, sc, rad, next) - a.n_chunks; !dense_ready && i < tasks;
            i = next++ - a.n_chunks)
         dense_task(g, vc, i);
     }
-    if (dense_queued) {
+    if ((phases & kAttend) && (phases & kMerge)) {
 #pragma omp barrier
     }
     if (phases & kMerge) {
 #pragma omp for schedule(static)
       for (int64_t task = 0; task < g.B * g.h_kv; ++task) {
-        if (!dense_queued) dense_task(g, vc, task);
+        if (!dense_ready && !(phases & kAttend)) dense_task(g, vc, task);
         merge_tasks(g, task, task + 1);
       }
     }
   }
+  g.dense_ready = g.dense_ready || (phases & kAttendMerge);
 }
 
 }  // namespace
