@@ -8,6 +8,25 @@
 
 namespace louver_cpu {
 
+#if defined(__AVX512F__)
+// The numbers of x [n] that compare CMP to the pivot, packed into y (16 lanes of slack); returns
+// their count and adds those equal to the pivot to *equal when given. The compress goes to a
+// register: Zen 4 compresses to memory slowly.
+template <int CMP>
+inline int64_t compress_where(const float* x, int64_t n, __m512 pivot, float* y, int64_t* equal = nullptr) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, v, pivot, CMP);
+    _mm512_storeu_ps(y + count, _mm512_maskz_compress_ps(hit, v));
+    count += __builtin_popcount(hit);
+    if (equal) *equal += __builtin_popcount(_mm512_mask_cmp_ps_mask(lanes, v, pivot, _CMP_EQ_OQ));
+  }
+  return count;
+}
+#endif
+
 // The k-th largest (1-based, 1 <= k <= n) of the n numbers in x (no NaN); x and y: n + 16 floats
 // each (y scratch; a compress stores 16 lanes).
 // A quickselect whose partitions are vector compares and compresses (AVX-512): nth_element's
@@ -19,15 +38,8 @@ inline float kth_largest(float* x, float* y, int64_t n, int64_t k) {
     const float a = x[0], b = x[n / 2], c = x[n - 1];
     const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // median of three
     const __m512 pv = _mm512_set1_ps(pivot);
-    int64_t above = 0, equal = 0;
-    for (int64_t i = 0; i < n; i += 16) {  // the numbers above the pivot into y
-      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
-      const __mmask16 gt = _mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_GT_OQ);
-      _mm512_storeu_ps(y + above, _mm512_maskz_compress_ps(gt, v));  // to a register: Zen 4 compresses to memory slowly
-      above += __builtin_popcount(gt);
-      equal += __builtin_popcount(_mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_EQ_OQ));
-    }
+    int64_t equal = 0;
+    const int64_t above = compress_where<_CMP_GT_OQ>(x, n, pv, y, &equal);
     if (k <= above) {
       std::swap(x, y);
       n = above;
@@ -35,16 +47,8 @@ inline float kth_largest(float* x, float* y, int64_t n, int64_t k) {
     }
     if (k <= above + equal) return pivot;
     k -= above + equal;
-    int64_t below = 0;
-    for (int64_t i = 0; i < n; i += 16) {  // the numbers below it
-      const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
-      const __mmask16 lt = _mm512_mask_cmp_ps_mask(lanes, v, pv, _CMP_LT_OQ);
-      _mm512_storeu_ps(y + below, _mm512_maskz_compress_ps(lt, v));
-      below += __builtin_popcount(lt);
-    }
+    n = compress_where<_CMP_LT_OQ>(x, n, pv, y);
     std::swap(x, y);
-    n = below;
   }
 #else
   (void)y;
